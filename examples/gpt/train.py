@@ -1,0 +1,144 @@
+"""Train a small byte-level GPT with DDP over gloo; the main job of trainguard's demo.
+
+Runs unchanged under ``trainguard run`` or ``torchrun`` (or alone, one process).
+Deterministic for a given seed and world size: the checkpoint holds model,
+optimizer, step, per-rank RNG states and data position, so a resumed run produces
+the same per-step losses as one without a fault. Rank 0 appends
+``{"step": N, "loss": X, "time": T}`` per step to ``<run dir>/metrics.jsonl``.
+SIGTERM: every rank finishes its step, the job saves a checkpoint and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import BatchSampler, load_corpus  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+import trainguard  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data", default=None, help="text file or directory (default: Python's stdlib sources)")
+    p.add_argument("--data-max-bytes", type=int, default=4 << 20)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps (0 = never)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--out", default=None, help="run dir for metrics.jsonl (default: $TRAINGUARD_RUN_DIR or .)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.ckpt_every < 0:
+        p.error("--steps must be >= 1 and --ckpt-every >= 0")
+    return args
+
+
+class TrainState(Stateful):
+    """Model, optimizer and step as one DCP ``Stateful`` (FQN keys, replicated across DP ranks)."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim, self.step = model, optim, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd, "step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.step = int(sd["step"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    distributed = "MASTER_ADDR" in os.environ
+    if distributed:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    rt = trainguard.init()
+
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))
+
+    corpus = load_corpus(args.data, args.data_max_bytes)
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = GPT(cfg)
+    ddp = DDP(model) if distributed else model
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)
+    torch.manual_seed(args.seed + 1 + rank)  # per-rank stream (dropout)
+    sampler = BatchSampler(corpus, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed, rank=rank)
+
+    train = TrainState(ddp, optim)
+    per_rank = {"rng": torch.get_rng_state(), "data": sampler.state_dict()}
+    state: dict[str, Any] = {"train": train, "per_rank": per_rank}
+    ckpt = trainguard.Checkpointer()
+    restored = ckpt.load(state)
+    if restored is not None:
+        torch.set_rng_state(per_rank["rng"])
+        sampler.load_state_dict(per_rank["data"])
+    start = train.step
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[rank {rank}/{world}] params={n_params} corpus={len(corpus)}B start_step={start} restored={restored}", flush=True)
+
+    out = Path(args.out or os.environ.get("TRAINGUARD_RUN_DIR") or ".")
+    metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
+    ddp.train()
+    step = start
+    for step in range(start + 1, args.steps + 1):
+        x, y = sampler.batch(step)
+        loss = ddp(x, y)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        # One small all-reduce: mean loss for the log, and whether any rank got SIGTERM.
+        flags = torch.tensor([loss.item(), float(stop["requested"])], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(flags)
+        mean_loss = flags[0].item() / world
+        train.step = step
+        rt.step_end(step, loss=mean_loss, tokens=x.numel())
+        if metrics is not None:
+            metrics.write(json.dumps({"step": step, "loss": mean_loss, "time": time.time()}) + "\n")
+            metrics.flush()
+        stopping = flags[1].item() > 0
+        if stopping or step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0):
+            per_rank["rng"] = torch.get_rng_state()
+            per_rank["data"] = sampler.state_dict()
+            ckpt.save(step, state)
+        if stopping:
+            print(f"[rank {rank}] SIGTERM: saved step {step}, exiting", flush=True)
+            break
+    ckpt.close()
+    if metrics is not None:
+        metrics.close()
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m trainguard`` is the ``trainguard`` command."""
+
+import sys
+
+from trainguard.cli.main import main
+
+sys.exit(main())

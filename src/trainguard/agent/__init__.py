@@ -1,0 +1,1 @@
+"""The node agent: reconcile loop, worker supervision, hang watchdog."""

@@ -1,0 +1,393 @@
+"""The node agent: reconciles its node toward the controller's desired state.
+
+Threads (all named, all daemon, all bounded by deadlines):
+
+- main (``Agent.run``): every 50 ms drains worker reports (UDP), polls worker exits,
+  runs the hang watchdog and reconciles: start a generation's workers from warm
+  spares, stop them (SIGTERM → grace → SIGKILL of the process group), clean up.
+- ``agent-poll``: long-polls ``GET /v1/desired`` so a new desired state arrives at once.
+- ``agent-report``: ``POST /v1/report`` every heartbeat or when woken, carrying the
+  node's observations, step records and events; its reply also carries the desired state.
+
+When the controller is unreachable the workers keep running and both threads retry
+with back-off (capped at 2 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainguard.agent import workers as wk
+from trainguard.runtime import api as rt_api
+from trainguard.runtime import wire
+
+log = logging.getLogger("trainguard.agent")
+LOOP_S = 0.05
+# Calibrated hang timeout = CALIBRATION_FACTOR × the longest recent step, clamped to
+# [hang_timeout_min_s, hang_timeout_max_s]. NVIDIA's resiliency extension derives its
+# heartbeat timeouts the same way, from observed intervals times a safety factor.
+CALIBRATION_FACTOR = 10.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AgentConfig:
+    controller: str  # host:port of the controller
+    token: str  # job token (hex)
+    node_id: str  # stable id of this node (host)
+    addr: str  # address workers and peers reach this node at; the report socket binds here
+    run_dir: Path  # job run directory (logs, errors, checkpoints)
+    exit_with_parent: bool = False  # embedded mode: stop when the launcher dies
+    gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
+
+
+def hang_limit(desired: dict[str, Any], w: wk.Worker) -> float:
+    """Seconds without progress after which worker ``w`` is hung (see CALIBRATION_FACTOR)."""
+    if w.step is None:
+        return float(desired["first_step_timeout_s"])
+    if desired.get("hang_timeout_s") is not None:
+        return float(desired["hang_timeout_s"])
+    longest = max(w.durations, default=0.0)
+    return min(float(desired["hang_timeout_max_s"]), max(float(desired["hang_timeout_min_s"]), CALIBRATION_FACTOR * longest))
+
+
+class Agent:
+    """One node's agent. ``run()`` returns the process exit status."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._token = bytes.fromhex(cfg.token)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._report_now = threading.Event()
+        self._shutdown = threading.Event()
+        self._desired: tuple[int, dict[str, Any]] = (0, {"action": "idle"})
+        self.generation: int | None = None
+        self._run_desired: dict[str, Any] = {}
+        self.workers: dict[int, wk.Worker] = {}
+        self._hang = False
+        self._stopped_generation = -1
+        self._stopped_at: float | None = None
+        self._cleaned_at: float | None = None
+        self._store: tuple[int, Any] | None = None
+        self._events: list[dict[str, Any]] = []
+        self._steps: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "errors").mkdir(parents=True, exist_ok=True)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind((cfg.addr, 0))
+        self._sock.setblocking(False)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.report_port = self._sock.getsockname()[1]
+        self._spare_log = open(cfg.run_dir / "logs" / f"spares.{cfg.node_id}.log", "ab")  # noqa: SIM115
+        self.spares = wk.SparePool(self._base_env(), self._spare_log)
+
+    # ------------------------------------------------------------------ environment
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers per node
+        ifname = self.cfg.gloo_ifname or ("lo" if self.cfg.addr.startswith("127.") else None)
+        if ifname:
+            env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _worker_env(self, d: dict[str, Any], local_rank: int) -> dict[str, str]:
+        gen, nproc = int(d["generation"]), int(d["nproc_per_node"])
+        rank = int(d["node_rank"]) * nproc + local_rank
+        run_dir = str(self.cfg.run_dir.resolve())
+        return {
+            **self._base_env(),
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(d["world_size"]),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(d["node_rank"]), "GROUP_WORLD_SIZE": str(d["nnodes"]),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(d["world_size"]), "ROLE_NAME": "default",
+            "MASTER_ADDR": str(d["master_addr"]), "MASTER_PORT": str(d["master_port"]),
+            "TORCHELASTIC_RESTART_COUNT": str(d["restarts"]), "TORCHELASTIC_MAX_RESTARTS": str(d["max_restarts"]),
+            "TORCHELASTIC_RUN_ID": self.cfg.run_dir.name, "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_ERROR_FILE": str(self.cfg.run_dir / "errors" / f"gen{gen}.rank{rank}.json"),
+            rt_api.ENV_AGENT_ADDR: f"{self.cfg.addr}:{self.report_port}", rt_api.ENV_TOKEN: self.cfg.token,
+            rt_api.ENV_RUN_DIR: run_dir, rt_api.ENV_GENERATION: str(gen),
+            rt_api.ENV_RESTORE_STEP: "" if d["restore_step"] is None else str(d["restore_step"]),
+            rt_api.ENV_CKPT_DIR: str(Path(run_dir) / "checkpoints"),
+            rt_api.ENV_INJECT: json.dumps(d["injects"]), rt_api.ENV_HEARTBEAT_S: str(d["heartbeat_s"]),
+        }
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        wk.become_subreaper()
+        parent = os.getppid()
+        if self.cfg.exit_with_parent:
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._shutdown.set())
+        threading.Thread(target=self._warm_torch, name="agent-warm", daemon=True).start()
+        threading.Thread(target=self._poll_loop, name="agent-poll", daemon=True).start()
+        threading.Thread(target=self._report_loop, name="agent-report", daemon=True).start()
+        log.info("agent %s (%s) up at %s, reports on udp %d", self.cfg.node_id, self.incarnation,
+                 self.cfg.addr, self.report_port)
+        try:
+            while not self._shutdown.is_set():
+                if self.cfg.exit_with_parent and os.getppid() != parent:
+                    break
+                self._drain_udp()
+                self._poll_workers()
+                self._watch_hangs()
+                if self._reconcile():
+                    break
+                self._wake.wait(LOOP_S)
+                self._wake.clear()
+        finally:
+            self._stop_workers(grace_s=15.0)
+            self.spares.close()
+            self._report_once(timeout_s=2.0)
+        return 0
+
+    def _warm_torch(self) -> None:
+        import torch.distributed  # noqa: F401  (the store below needs it; import once, early)
+
+    # ------------------------------------------------------------------ reconcile
+    def _reconcile(self) -> bool:
+        """Act on the desired state. Returns True when the agent should exit."""
+        _, d = self._desired
+        action = d.get("action")
+        if action == "shutdown":
+            return True
+        if action == "run":
+            gen = int(d["generation"])
+            if self.generation is not None and self.generation != gen:
+                self._stop_workers(grace_s=1.0)
+            if d["host_store"] and (self._store is None or self._store[0] != gen):
+                self._host_store(gen)
+            if self.generation != gen and d["master_port"] is not None:
+                self._start_generation(d)
+            elif self.generation == gen and all(w.step is not None for w in self.workers.values()):
+                self.spares.fill(int(d["nproc_per_node"]))  # replenish once training is under way
+        elif action == "stop":
+            gen = int(d["generation"])
+            if self._stopped_generation < gen:
+                self._stop_workers(grace_s=float(d["grace_s"]))
+                self._stopped_generation = gen
+                self._report_now.set()
+        elif action == "idle":
+            if self.workers:
+                self._stop_workers(grace_s=15.0)
+            self.spares.fill(int(d.get("nproc_per_node", 1)))
+        return False
+
+    def _host_store(self, gen: int) -> None:
+        from torch.distributed import TCPStore
+
+        self._store = None  # the previous generation's store closes with it
+        store = TCPStore(self.cfg.addr, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300))
+        self._store = (gen, store)
+        self._report_now.set()
+
+    def _start_generation(self, d: dict[str, Any]) -> None:
+        gen, nproc = int(d["generation"]), int(d["nproc_per_node"])
+        self.generation, self._run_desired, self._hang = gen, d, False
+        self.workers = {}
+        for local_rank in range(nproc):
+            env = self._worker_env(d, local_rank)
+            rank = int(env["RANK"])
+            log_path = self.cfg.run_dir / "logs" / f"rank{rank}.gen{gen}.log"
+            error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
+            proc = self.spares.take()
+            wk.launch(proc, {"env": env, "argv": [d["script"], *d["script_args"]], "cwd": os.getcwd(),
+                             "log": str(log_path), "error_file": str(error_file)})
+            self.workers[rank] = wk.Worker(rank=rank, local_rank=local_rank, proc=proc, log_path=log_path,
+                                           error_file=error_file, started_mono=time.monotonic())
+            self._event("worker_started", generation=gen, rank=rank, pid=proc.pid, log=str(log_path))
+        log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
+        self._report_now.set()
+
+    def _stop_workers(self, *, grace_s: float) -> None:
+        if not self.workers and self.generation is None:
+            return
+        procs = [w.proc for w in self.workers.values()]
+        wk.kill_groups(procs, grace_s=grace_s)
+        self._stopped_at = time.time()
+        self._poll_workers(stopping=True)
+        killed = wk.clean_descendants(keep=self.spares.pids)
+        self._cleaned_at = time.time()
+        self._event("workers_stopped", generation=self.generation, grace_s=grace_s, stray_killed=killed,
+                    exit_codes={w.rank: w.exit_code for w in self.workers.values()})
+        self.workers = {}
+        self.generation = None
+        self._store = None
+
+    # ------------------------------------------------------------------ observation
+    def _poll_workers(self, stopping: bool = False) -> None:
+        for w in self.workers.values():
+            if w.state not in ("running",):
+                continue
+            code = w.proc.poll()
+            if code is None:
+                continue
+            w.exit_code, w.exited_at = code, time.time()
+            if stopping:
+                w.state = "stopped"
+            elif code == 0:
+                w.state = "succeeded"
+            else:
+                w.state = "failed"
+                w.error = w.read_error()
+            self._event("worker_exited", generation=self.generation, rank=w.rank, pid=w.proc.pid,
+                        exit_code=code, state=w.state, error=w.error)
+            self._report_now.set()
+
+    def _watch_hangs(self) -> None:
+        if self._hang or not self.workers:
+            return
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.state != "running" or w.last_hb_mono is None:
+                continue  # a script without the runtime gets crash detection only
+            ref = w.last_progress_mono if w.last_progress_mono is not None else w.started_mono
+            limit = hang_limit(self._run_desired, w)
+            if now - ref > limit:
+                self._hang = True
+                self._report_now.set()
+                stacks = wk.dump_stacks({x.rank: x.proc.pid for x in self.workers.values() if x.state == "running"})
+                self._event("hang_suspected", generation=self.generation, rank=w.rank, step=w.step,
+                            stalled_s=round(now - ref, 3), limit_s=round(limit, 3),
+                            progress={x.rank: x.step for x in self.workers.values()}, stacks=stacks)
+                self._report_now.set()
+                return
+
+    def _drain_udp(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except BlockingIOError:
+                return
+            try:
+                msg = wire.decode(self._token, data)
+            except (wire.WireAuthError, ValueError):
+                log.warning("dropped an unauthenticated worker report")
+                continue
+            self._on_message(msg)
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        w = self.workers.get(int(msg.get("rank", -1)))
+        if w is None or msg.get("gen") != self.generation or msg.get("pid") != w.proc.pid:
+            return
+        now = time.monotonic()
+        items = msg["items"] if msg.get("t") == "batch" else [msg]
+        for it in items:
+            kind = it.get("t")
+            if kind == "hb":
+                w.last_hb_mono = now
+            elif kind == "step":
+                w.last_hb_mono = now
+                if w.step is None or it["step"] > w.step:
+                    w.last_progress_mono, w.last_progress_at = now, it["t_end"]
+                w.step = it["step"]
+                w.durations.append(float(it["dur"]))
+                with self._lock:
+                    self._steps.setdefault((self.generation, w.rank), []).append(
+                        {k: it[k] for k in ("step", "t_end", "dur", "loss", "tokens")})
+            elif kind == "event":
+                ev = {k: v for k, v in it.items() if k not in ("t", "rank", "pid", "gen")}
+                self._event(ev.pop("kind"), generation=self.generation, rank=w.rank, **ev)
+                if ev.get("inject", {}).get("kind") == "node-down":
+                    self._power_off()
+
+    def _power_off(self) -> None:
+        """Injected node-down: SIGKILL every worker, spare and this agent, as a power loss would."""
+        self._report_once(timeout_s=2.0)  # so the controller knows the drill fired
+        procs = [w.proc for w in self.workers.values()]
+        self.spares.close()
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _event(self, kind: str, **data: Any) -> None:
+        data.setdefault("ts", time.time())
+        with self._lock:
+            self._events.append({"kind": kind, **data})
+
+    # ------------------------------------------------------------------ controller I/O
+    def _snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._lock:
+            events, self._events = self._events, []
+            steps, self._steps = self._steps, {}
+        return {
+            "node_id": self.cfg.node_id, "addr": self.cfg.addr, "incarnation": self.incarnation,
+            "generation": self.generation, "workers": [w.observe(now) for w in list(self.workers.values())],
+            "hang": self._hang, "stopped_generation": self._stopped_generation,
+            "stopped_at": self._stopped_at, "cleaned_at": self._cleaned_at,
+            "store": None if self._store is None else [self._store[0], self._store[1].port],
+            "events": events,
+            "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],
+        }
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+        req = urllib.request.Request(
+            f"http://{self.cfg.controller}{path}", method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.cfg.token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def _accept(self, reply: dict[str, Any]) -> None:
+        with self._lock:
+            if int(reply["version"]) > self._desired[0]:
+                self._desired = (int(reply["version"]), reply["desired"])
+                self._wake.set()
+
+    def _report_once(self, timeout_s: float) -> bool:
+        snap = self._snapshot()
+        try:
+            self._accept(self._request("POST", "/v1/report", snap, timeout_s))
+            return True
+        except (OSError, urllib.error.URLError, ValueError):
+            with self._lock:  # keep what was not delivered for the next attempt (bounded)
+                self._events[:0] = snap["events"][-10_000:]
+                for b in snap["steps"]:
+                    self._steps.setdefault((b["generation"], b["rank"]), [])[:0] = b["items"]
+            return False
+
+    def _report_loop(self) -> None:
+        backoff = 0.1
+        while not self._shutdown.is_set():
+            hb = float(self._run_desired.get("heartbeat_s", 0.5)) if self._run_desired else 0.5
+            self._report_now.wait(hb if backoff <= 0.1 else backoff)
+            self._report_now.clear()
+            backoff = 0.1 if self._report_once(timeout_s=5.0) else min(2.0, backoff * 2)
+
+    def _poll_loop(self) -> None:
+        backoff = 0.1
+        while not self._shutdown.is_set():
+            try:
+                reply = self._request("GET", f"/v1/desired?node={self.cfg.node_id}&version={self._desired[0]}&wait_s=10",
+                                      None, timeout_s=15.0)
+                self._accept(reply)
+                backoff = 0.1
+            except (OSError, urllib.error.URLError, ValueError):
+                time.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+
+def main(cfg: AgentConfig) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s agent[{cfg.node_id}] %(levelname)s %(message)s")
+    return Agent(cfg).run()

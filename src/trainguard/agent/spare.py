@@ -1,0 +1,84 @@
+"""A warm spare worker: pre-imports torch, then waits for its rank's spec on stdin.
+
+The agent keeps ``nproc_per_node`` of these ready, so a restart does not pay for
+interpreter start and ``import torch`` (the bulk of a torchrun restart on CPU). On
+its spec (one JSON line: env, argv, cwd, log, error_file) the spare redirects its
+output to the rank's log, replaces its environment and runs the script exactly as
+``python SCRIPT ARGS`` would (``runpy``, ``__name__ == "__main__"``). An uncaught
+exception is written to the error file in torchelastic's format.
+
+The spare dies with its agent (PR_SET_PDEATHSIG = SIGKILL), as workers die with a
+powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # non-Linux: rely on the agent's kill path
+        return
+    if os.getppid() != parent:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def write_error_file(path: str, exc: BaseException) -> None:
+    """torchelastic error-file format (torch.distributed.elastic.multiprocessing.errors)."""
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    _die_with_parent(int(os.environ.get("TRAINGUARD_AGENT_PID", "0")) or os.getppid())
+    try:
+        import torch  # noqa: F401  (warm import: the point of a spare)
+    except ImportError:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        return
+    spec = json.loads(line)
+    fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.chdir(spec["cwd"])
+    script = spec["argv"][0]
+    sys.argv = list(spec["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        write_error_file(spec["error_file"], exc)
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Worker processes of one node: warm spares, live workers, and their kill path.
+
+Every worker runs in its own session (``start_new_session``), so its process group
+holds it and the children it forks (data-loader workers); stopping a worker signals
+the whole group. The agent is a child subreaper, so orphaned grandchildren are
+reparented to it and reaped here, leaving no zombie.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Make orphaned descendants reparent to this process (Linux; no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Worker:
+    """A live worker of the current generation as the agent tracks it (monotonic times)."""
+
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    error_file: Path
+    started_mono: float
+    state: str = "running"
+    exit_code: int | None = None
+    exited_at: float | None = None
+    error: str | None = None
+    step: int | None = None
+    last_progress_mono: float | None = None
+    last_progress_at: float | None = None
+    last_hb_mono: float | None = None
+    durations: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+
+    def observe(self, now_mono: float) -> dict[str, Any]:
+        """The WorkerObs fields the controller receives (controller/api.py)."""
+        ref = self.last_progress_mono if self.last_progress_mono is not None else self.started_mono
+        return {
+            "rank": self.rank, "local_rank": self.local_rank, "pid": self.proc.pid, "state": self.state,
+            "exit_code": self.exit_code, "error": self.error, "step": self.step,
+            "progress_age_s": now_mono - ref,
+            "heartbeat_age_s": None if self.last_hb_mono is None else now_mono - self.last_hb_mono,
+            "exited_at": self.exited_at, "last_progress_at": self.last_progress_at,
+        }
+
+    def read_error(self) -> str | None:
+        """First failure's exception and traceback from the error file, else the log's tail
+        (None for a death by signal: the log says nothing about it)."""
+        try:
+            msg = json.loads(self.error_file.read_text())["message"]
+            return f"{msg['message']}\n{msg.get('extraInfo', {}).get('py_callstack', '')}".strip()
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if self.exit_code is not None and self.exit_code < 0:
+            return None
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return None
+        tail = [ln for ln in lines[-20:] if ln.strip()]
+        return "\n".join(tail) if tail else None
+
+
+class SparePool:
+    """Pre-started spare workers (agent/spare.py), handed out in FIFO order."""
+
+    def __init__(self, env: dict[str, str], log: IO[bytes]) -> None:
+        self._env = {**env, "TRAINGUARD_AGENT_PID": str(os.getpid())}
+        self._log = log
+        self._ready: collections.deque[subprocess.Popen[bytes]] = collections.deque()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainguard.agent.spare"], stdin=subprocess.PIPE, stdout=self._log,
+            stderr=self._log, env=self._env, start_new_session=True, close_fds=True,
+        )
+
+    def fill(self, n: int) -> None:
+        """Start spares until ``n`` are ready (dead ones are dropped first)."""
+        alive = [p for p in self._ready if p.poll() is None]
+        self._ready = collections.deque(alive)
+        while len(self._ready) < n:
+            self._ready.append(self._spawn())
+
+    def take(self) -> subprocess.Popen[bytes]:
+        while self._ready:
+            p = self._ready.popleft()
+            if p.poll() is None:
+                return p
+        return self._spawn()
+
+    @property
+    def pids(self) -> set[int]:
+        return {p.pid for p in self._ready}
+
+    def close(self) -> None:
+        """Kill every spare (SIGKILL to its group) and reap it (5 s deadline each)."""
+        procs = list(self._ready)
+        self._ready.clear()
+        kill_groups(procs, grace_s=0.0)
+
+
+def launch(proc: subprocess.Popen[bytes], spec: dict[str, Any]) -> None:
+    """Hand a spare its rank's spec. Raises OSError if the spare died meanwhile."""
+    assert proc.stdin is not None
+    proc.stdin.write((json.dumps(spec) + "\n").encode())
+    proc.stdin.close()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def kill_groups(procs: list[subprocess.Popen[bytes]], *, grace_s: float) -> None:
+    """SIGTERM (+SIGCONT, so stopped processes act on it) each process group, wait up to
+    ``grace_s``, then SIGKILL the groups and reap every process (5 s deadline)."""
+    live = [p for p in procs if p.poll() is None]
+    if grace_s > 0:
+        for p in live:
+            _signal_group(p.pid, signal.SIGTERM)
+            _signal_group(p.pid, signal.SIGCONT)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in live):
+            time.sleep(0.02)
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)  # the group may hold children even after p exited
+    for p in procs:
+        try:
+            p.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd process stuck in D state
+            pass
+
+
+def clean_descendants(keep: set[int]) -> list[int]:
+    """SIGKILL every descendant of this process not in ``keep`` (and not a child of one
+    in ``keep``), then reap zombies. Returns the pids killed."""
+    me = psutil.Process()
+    killed = []
+    kept_children = set()
+    for pid in keep:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            kept_children.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    for child in me.children(recursive=True):
+        if child.pid in keep or child.pid in kept_children:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                child.kill()
+                killed.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    deadline = time.monotonic() + 5.0
+    for child in me.children(recursive=False):
+        if child.pid in keep:
+            continue
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child.pid, 0 if time.monotonic() < deadline else os.WNOHANG)
+    return killed
+
+
+def dump_stacks(pids: dict[int, int], *, timeout_s: float = 10.0) -> dict[int, str]:
+    """``py-spy dump`` of each process (rank → pid), run in parallel with one deadline.
+
+    Returns rank → stack text (or the reason there is none: py-spy missing, timeout,
+    permission). Never raises.
+    """
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {r: "no stack: py-spy is not installed (pip install py-spy)" for r in pids}
+    procs = {r: subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT) for r, pid in pids.items()}
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, str] = {}
+    for r, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out[r] = text.decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            out[r] = f"no stack: py-spy did not answer within {timeout_s}s"
+    return out

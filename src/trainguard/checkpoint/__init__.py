@@ -1,0 +1,1 @@
+"""Checkpoints: the runtime Checkpointer and the durable tier's layout."""

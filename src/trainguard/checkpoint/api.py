@@ -1,0 +1,19 @@
+"""Checkpoint errors and layout constants."""
+
+from __future__ import annotations
+
+MANIFEST = "manifest.json"  # per step: file sizes and xxh3_64 checksums, written before commit
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's global metadata file
+PER_RANK_KEY = "per_rank"  # values under this key are saved separately for every rank
+
+
+class CheckpointError(Exception):
+    """Base of checkpoint failures."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The requested step is not committed in any tier."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed step failed checksum verification; it is never loaded."""

@@ -1,0 +1,136 @@
+"""Durable tier: ``<root>/step_<N>/`` in plain torch.distributed.checkpoint layout.
+
+A step is committed when its directory exists under its final name: writers fill
+``<root>/.tmp-step_<N>-gen<G>/``, write ``manifest.json`` (size and xxh3_64 of every
+file) with fsync, then rename the directory (atomic on POSIX) and fsync the root.
+A directory without ``.metadata`` and ``manifest.json`` is never listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import xxhash
+
+from trainguard.checkpoint.api import DCP_METADATA, MANIFEST
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 8 << 20
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step}"
+
+
+def tmp_dir(root: Path, step: int, generation: int) -> Path:
+    return root / f".tmp-step_{step}-gen{generation}"
+
+
+def list_committed(root: Path) -> list[int]:
+    """Committed steps under ``root``, ascending. A missing root gives []."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        m = _STEP_RE.match(name)
+        if m and (root / name / DCP_METADATA).is_file() and (root / name / MANIFEST).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def file_digest(path: Path) -> str:
+    """xxh3_64 hex digest of a file, read in 8 MiB chunks."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, root: Path, step: int) -> Path:
+    """Checksum, fsync and atomically publish ``tmp`` as ``step_<step>``. Returns the final path.
+
+    Raises FileExistsError if the step is already committed (the older copy is kept).
+    """
+    files = {}
+    for path in sorted(tmp.iterdir()):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            files[path.name] = {"size": path.stat().st_size, "xxh3_64": file_digest(path)}
+    manifest_tmp = tmp / (MANIFEST + ".tmp")
+    with open(manifest_tmp, "w") as f:
+        json.dump({"step": step, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(manifest_tmp, tmp / MANIFEST)
+    _fsync_dir(tmp)
+    final = step_dir(root, step)
+    if final.exists():
+        raise FileExistsError(f"checkpoint step {step} already committed at {final}")
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def verify(root: Path, step: int) -> list[str]:
+    """Check every file of a committed step against its manifest. Returns the problems found ([] = ok)."""
+    d = step_dir(root, step)
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return [f"{d / MANIFEST}: unreadable ({e})"]
+    problems = []
+    for name, want in manifest.get("files", {}).items():
+        path = d / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{path}: size {path.stat().st_size} != {want['size']}")
+        elif file_digest(path) != want["xxh3_64"]:
+            problems.append(f"{path}: checksum mismatch")
+    return problems
+
+
+def newest_verified(root: Path, *, at_most: int | None = None) -> tuple[int | None, dict[int, list[str]]]:
+    """Newest committed step whose files verify (<= ``at_most`` if given), and the corrupt ones skipped."""
+    skipped: dict[int, list[str]] = {}
+    for step in reversed(list_committed(root)):
+        if at_most is not None and step > at_most:
+            continue
+        problems = verify(root, step)
+        if not problems:
+            return step, skipped
+        skipped[step] = problems
+    return None, skipped
+
+
+def prune(root: Path, keep: int, *, in_progress: Path | None = None) -> list[int]:
+    """Delete committed steps beyond the newest ``keep`` and stale temp directories.
+
+    The newest committed step is never deleted (``keep`` >= 1 is enforced), and an
+    older step is deleted only after a newer one is committed. Returns deleted steps.
+    """
+    keep = max(1, keep)
+    steps = list_committed(root)
+    doomed = steps[:-keep] if len(steps) > keep else []
+    for step in doomed:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+    for path in root.glob(".tmp-step_*"):
+        if path != in_progress:
+            shutil.rmtree(path, ignore_errors=True)
+    return doomed

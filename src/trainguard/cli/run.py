@@ -1,0 +1,173 @@
+"""``trainguard run``: controller plus one agent process per simulated node, on one machine.
+
+Each simulated node is an agent bound to its own loopback address (127.0.0.2, .3, …)
+with its own node id. An agent that dies (e.g. an injected node-down) comes back
+as a fresh agent after ``reboot_delay_s``, as a rebooted host would. SIGTERM or
+Ctrl-C stops the job cleanly: workers get SIGTERM and may save, then everything exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import tomllib
+
+from trainguard.controller.api import JobConfig, Phase
+from trainguard.controller.server import Controller
+from trainguard.controller.store import Store
+from trainguard.faults.inject import parse_inject
+
+log = logging.getLogger("trainguard.run")
+AGENT_EXIT_DEADLINE_S = 30.0
+
+
+def build_config(args: argparse.Namespace) -> JobConfig:
+    """Validate flags and the config file into a JobConfig. Raises ValueError naming the fix."""
+    script = Path(args.script)
+    if not script.is_file():
+        raise ValueError(f"script {args.script!r} not found; pass the path of a Python training script")
+    run_dir = args.run_dir or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    extra: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            extra = tomllib.loads(args.config.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"--config {args.config}: {e}; give a readable TOML file of JobConfig fields") from None
+        known = {f.name for f in dataclasses.fields(JobConfig)} - {"script", "script_args", "run_dir", "injects"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    flags = {"nodes": args.nodes, "standby": args.standby, "nproc_per_node": args.nproc_per_node,
+             "max_restarts": args.max_restarts, "hang_timeout_s": args.hang_timeout}
+    extra.update({k: v for k, v in flags.items() if v is not None})
+    injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
+    cfg = JobConfig(script=str(script.resolve()), script_args=tuple(args.script_args), run_dir=str(run_dir.resolve()),
+                    injects=injects, **extra)
+    _check_writable(run_dir)
+    return cfg
+
+
+def _check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-probe"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"run dir {run_dir} is not writable ({e.strerror}); pass --run-dir to a writable place") from None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SimNode:
+    node_id: str
+    addr: str
+    proc: subprocess.Popen[bytes] | None = None
+    down_since: float | None = None
+    log: IO[bytes] | None = None
+
+
+class Cluster:
+    """Agent processes of the simulated nodes, restarted after a simulated reboot."""
+
+    def __init__(self, cfg: JobConfig, controller: str, token_file: Path) -> None:
+        self.cfg, self.controller, self.token_file = cfg, controller, token_file
+        self.nodes = [SimNode(node_id=f"node{i}", addr=f"127.0.0.{i + 2}") for i in range(cfg.nodes + cfg.standby)]
+        self.stopping = False
+
+    def _spawn(self, n: SimNode) -> None:
+        run_dir = Path(self.cfg.run_dir)
+        if n.log is None:
+            n.log = open(run_dir / "logs" / f"agent.{n.node_id}.log", "ab")  # noqa: SIM115
+        n.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard", "agent", "--controller", self.controller, "--token-file",
+             str(self.token_file), "--node-id", n.node_id, "--addr", n.addr, "--run-dir", str(run_dir),
+             "--exit-with-parent"], stdout=n.log, stderr=n.log, start_new_session=True)
+        n.down_since = None
+
+    def start(self) -> None:
+        (Path(self.cfg.run_dir) / "logs").mkdir(parents=True, exist_ok=True)
+        for n in self.nodes:
+            self._spawn(n)
+
+    def supervise(self, store: Store) -> None:
+        """Reap agents that died and bring them back after the reboot delay."""
+        now = time.monotonic()
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is not None and not self.stopping:
+                store.record("node_down", {"node": n.node_id, "exit_code": n.proc.returncode})
+                n.proc, n.down_since = None, now
+            elif n.proc is None and n.down_since is not None and now - n.down_since >= self.cfg.reboot_delay_s:
+                store.record("node_rebooted", {"node": n.node_id})
+                self._spawn(n)
+
+    async def wait_exit(self, deadline_s: float) -> None:
+        """Wait for every agent to exit (they stop their workers first), then SIGKILL stragglers."""
+        self.stopping = True
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and any(n.proc is not None and n.proc.poll() is None for n in self.nodes):
+            await asyncio.sleep(0.05)
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                os.killpg(n.proc.pid, signal.SIGKILL)
+                n.proc.wait(timeout=5.0)
+            if n.log is not None:
+                n.log.close()
+
+
+async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState_T, int]:
+    store = Store(Path(cfg.run_dir))
+    controller = Controller(cfg, token, store)
+    host, port = await controller.start()
+    cluster = Cluster(cfg, f"{host}:{port}", token_file)
+    got_signal: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(s), controller.request_stop()))
+    log.info("controller on %s:%d; run dir %s", host, port, cfg.run_dir)
+    cluster.start()
+    done = asyncio.ensure_future(controller.wait_done())
+    while not done.done():
+        cluster.supervise(store)
+        await asyncio.wait([done], timeout=0.2)
+    state = done.result()
+    await cluster.wait_exit(AGENT_EXIT_DEADLINE_S + cfg.stop_grace_s)
+    store.record("job_ended", {"phase": state.phase.value, "reason": state.reason})
+    await controller.close()
+    store.close()
+    return state, (got_signal[0] if got_signal else 0)
+
+
+JobState_T = Any
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s")
+    token = secrets.token_hex(16)
+    token_file = Path(cfg.run_dir) / "token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    state, sig = asyncio.run(_run(cfg, token, token_file))
+    if state.phase == Phase.SUCCEEDED:
+        print(f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies); "
+              f"report: trainguard report --run-dir {cfg.run_dir}", file=sys.stderr)
+        return 0
+    if state.phase == Phase.STOPPED:
+        print(f"trainguard: job stopped by {signal.Signals(sig).name if sig else 'request'}; "
+              f"resume from its last checkpoint by running again with --run-dir {cfg.run_dir}", file=sys.stderr)
+        return 128 + sig if sig else 1
+    print(f"trainguard: job failed: {state.reason}", file=sys.stderr)
+    return 1

@@ -1,0 +1,1 @@
+"""The controller: job state machine, node pool, store, HTTP API."""

@@ -1,0 +1,189 @@
+"""Controller types: job phases, node pools, the job config, observations and records."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+from trainguard.faults.inject import InjectSpec
+
+
+class Phase(str, enum.Enum):
+    """Job states (ARCHITECTURE §2). Transitions, all made by ``decide``:
+
+    PENDING → RENDEZVOUS                 enough healthy nodes joined
+    RENDEZVOUS → RUNNING                 every rank of the generation started
+    RENDEZVOUS|RUNNING → FAULTED         worker crash/exit, hang, node lost
+    RUNNING → SUCCEEDED                  every rank exited 0
+    FAULTED → STOPPING → CLEANING → REPLACING
+    REPLACING → RENDEZVOUS               next generation, lost nodes replaced by standby
+    REPLACING → WAITING_FOR_NODES        not enough healthy nodes
+    WAITING_FOR_NODES → REPLACING        a node joined or returned
+    REPLACING → FAILED                   budget spent, no progress, user error
+    any active → STOPPING → STOPPED      user stop (SIGTERM / Ctrl-C)
+    """
+
+    PENDING = "PENDING"
+    RENDEZVOUS = "RENDEZVOUS"
+    RUNNING = "RUNNING"
+    FAULTED = "FAULTED"
+    STOPPING = "STOPPING"
+    CLEANING = "CLEANING"
+    REPLACING = "REPLACING"
+    WAITING_FOR_NODES = "WAITING_FOR_NODES"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED)
+
+
+class Pool(str, enum.Enum):
+    """Node pools (the seed's lists): healthy = running ∪ standby; all = healthy ∪ faulty ∪ retired."""
+
+    RUNNING = "running"
+    STANDBY = "standby"
+    FAULTY = "faulty"
+    RETIRED = "retired"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    """A job's spec. Every field can be set in the ``--config`` TOML file."""
+
+    script: str  # path of the training script (Python)
+    script_args: tuple[str, ...] = ()  # its arguments
+    run_dir: str  # where store, logs, checkpoints and metrics go
+    nodes: int = 1  # nodes the job runs on
+    standby: int = 0  # extra healthy nodes kept ready to replace a lost one
+    nproc_per_node: int = 1  # workers (ranks) per node
+    max_restarts: int = 3  # restarts after faults before the job FAILs
+    hang_timeout_s: float | None = None  # fixed hang timeout; None = calibrated (see hang_timeout)
+    hang_timeout_max_s: float = 300.0  # ceiling of the calibrated hang timeout
+    hang_timeout_min_s: float = 10.0  # floor of the calibrated hang timeout
+    first_step_timeout_s: float = 600.0  # allowance for the first step of a generation
+    heartbeat_s: float = 0.5  # agent → controller and runtime → agent period
+    node_timeout_s: float = 10.0  # missing agent heartbeats for this long = node lost
+    rendezvous_timeout_s: float = 120.0  # from generation start to every rank running
+    stop_grace_s: float = 15.0  # SIGTERM → SIGKILL on a user stop (workers may save)
+    fault_stop_grace_s: float = 1.0  # SIGTERM → SIGKILL when stopping a faulted generation
+    no_progress_generations: int = 3  # generations in a row without a new checkpoint → FAILED
+    user_error_generations: int = 2  # generations in a row failing before step 1 → FAILED
+    reboot_delay_s: float = 2.0  # embedded mode: a killed simulated node returns after this
+    injects: tuple[InjectSpec, ...] = ()  # fault drills
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.nodes >= 1, f"--nodes {self.nodes}: a job needs at least 1 node")
+        need(self.standby >= 0, f"--standby {self.standby}: must be >= 0")
+        need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
+        need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
+        need(
+            self.hang_timeout_s is None or (math.isfinite(self.hang_timeout_s) and self.hang_timeout_s > 0),
+            f"--hang-timeout {self.hang_timeout_s}: must be a finite number of seconds > 0",
+        )
+        for name in ("heartbeat_s", "node_timeout_s", "first_step_timeout_s", "rendezvous_timeout_s",
+                     "hang_timeout_min_s", "hang_timeout_max_s"):
+            need(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
+        need(self.node_timeout_s > 2 * self.heartbeat_s, "node_timeout_s must exceed 2 × heartbeat_s")
+        for spec in self.injects:
+            if spec.rank is not None:
+                need(spec.rank < self.world_size, f"--inject {spec.describe()}: rank out of range 0..{self.world_size - 1}")
+            if spec.node is not None:
+                need(spec.node < self.nodes, f"--inject {spec.describe()}: node out of range 0..{self.nodes - 1}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WorkerObs:
+    """A worker as its agent last reported it. Ages are seconds, measured by the agent."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    state: str  # "starting" | "running" | "succeeded" | "failed" | "stopped"
+    exit_code: int | None = None  # negative: killed by that signal
+    error: str | None = None  # first failing exception and traceback (error file), or log tail
+    step: int | None = None  # last step reported by the runtime
+    progress_age_s: float | None = None  # since the step counter last advanced (or since start)
+    heartbeat_age_s: float | None = None  # since the runtime's last heartbeat
+    exited_at: float | None = None  # wall clock, when the agent saw the exit
+    last_progress_at: float | None = None  # wall clock of the last step advance
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class NodeObs:
+    """The latest report of one node's agent, stamped with the controller's receipt time."""
+
+    node_id: str
+    addr: str
+    incarnation: str  # changes when the agent process restarts (a rebooted host)
+    last_seen: float  # controller wall clock of the last report
+    generation: int | None = None  # generation its workers belong to
+    workers: dict[int, WorkerObs] = dataclasses.field(default_factory=dict)
+    hang: bool = False  # the agent's hang detector fired for `generation`
+    stopped_generation: int = -1  # newest generation fully stopped and cleaned here
+    stopped_at: float | None = None
+    cleaned_at: float | None = None
+    store: tuple[int, int] | None = None  # (generation, port) of the TCPStore it hosts
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Fault:
+    """A detected fault. ``cause``: worker_crash | worker_exit | hang | node_lost | rendezvous_timeout."""
+
+    cause: str
+    generation: int
+    rank: int | None
+    node_id: str | None
+    step: int | None
+    t_fault: float
+    t_detected: float
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Recovery:
+    """One recovery's phase boundaries (wall clock); see ``durations``."""
+
+    fault: Fault
+    from_generation: int
+    to_generation: int | None = None
+    restore_step: int | None = None
+    steps_lost: int | None = None
+    replaced: dict[str, str] = dataclasses.field(default_factory=dict)  # lost node → standby
+    t_stopped: float | None = None
+    t_cleaned: float | None = None
+    t_replaced: float | None = None
+    t_rendezvous: float | None = None
+    t_loaded: float | None = None
+    t_first_step: float | None = None
+
+    def durations(self) -> dict[str, float | None]:
+        """Seconds per phase: detect, stop, clean, replace, rendezvous, load_checkpoint, first_step, total."""
+        marks = [self.fault.t_fault, self.fault.t_detected, self.t_stopped, self.t_cleaned,
+                 self.t_replaced, self.t_rendezvous, self.t_loaded, self.t_first_step]
+        names = ["detect", "stop", "clean", "replace", "rendezvous", "load_checkpoint", "first_step"]
+        out: dict[str, float | None] = {}
+        for name, a, b in zip(names, marks, marks[1:], strict=False):
+            out[name] = None if a is None or b is None else max(0.0, b - a)
+        out["total"] = None if self.t_first_step is None else self.t_first_step - self.fault.t_fault
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["durations_s"] = self.durations()
+        return d

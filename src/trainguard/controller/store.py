@@ -1,0 +1,80 @@
+"""The controller's durable store: SQLite (``RUN_DIR/job.sqlite``) plus ``events.jsonl``.
+
+Tables: ``kv`` (job config and state as JSON), ``events`` (every structured event),
+``steps`` (per-rank step records). Writes come from the controller's event loop
+thread only; readers (``trainguard events|report``) open their own connection.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, kind TEXT NOT NULL,
+  generation INTEGER, node TEXT, rank INTEGER, step INTEGER, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+  generation INTEGER NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL,
+  t_end REAL NOT NULL, duration_s REAL NOT NULL, loss REAL, tokens INTEGER,
+  PRIMARY KEY (generation, rank, step));
+"""
+
+
+class Store:
+    """Owns the job's SQLite file and JSONL event log. Not thread-safe: one writer thread."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.db = sqlite3.connect(run_dir / "job.sqlite", timeout=10.0, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        self._jsonl = open(run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def record(self, kind: str, data: dict[str, Any], *, ts: float | None = None) -> dict[str, Any]:
+        """Append one event to both logs; returns it as written."""
+        ts = time.time() if ts is None else ts
+        row = {"ts": ts, "kind": kind, **data}
+        self.db.execute(
+            "INSERT INTO events (ts, kind, generation, node, rank, step, data) VALUES (?,?,?,?,?,?,?)",
+            (ts, kind, data.get("generation"), data.get("node"), data.get("rank"), data.get("step"),
+             json.dumps(data, default=str)),
+        )
+        self._jsonl.write(json.dumps(row, default=str) + "\n")
+        return row
+
+    def add_steps(self, generation: int, rank: int, items: list[dict[str, Any]]) -> None:
+        self.db.executemany(
+            "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?)",
+            [(generation, rank, it["step"], it["t_end"], it["dur"], it.get("loss"), it.get("tokens")) for it in items],
+        )
+
+    def put(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value, default=str)))
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self.db.close()
+
+
+def open_readonly(run_dir: Path) -> sqlite3.Connection:
+    """Open a run's store for reading. Raises FileNotFoundError naming the fix."""
+    path = run_dir / "job.sqlite"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no trainguard store here; pass the --run-dir of a job")
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+
+
+def read_kv(db: sqlite3.Connection, key: str) -> Any:
+    row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+    return None if row is None else json.loads(row[0])
+
+
+def read_events(db: sqlite3.Connection) -> list[dict[str, Any]]:
+    rows = db.execute("SELECT ts, kind, data FROM events ORDER BY id").fetchall()
+    return [{"ts": ts, "kind": kind, **json.loads(data)} for ts, kind, data in rows]

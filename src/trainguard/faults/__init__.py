@@ -1,0 +1,1 @@
+"""Fault injection for tests and drills."""

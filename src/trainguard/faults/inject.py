@@ -1,0 +1,91 @@
+"""Fault-injection specs: ``--inject KIND:key=value:...``.
+
+Kinds (each fires once per job, not again after the restart it causes):
+
+- ``kill:rank=R:step=S``      SIGKILL the worker of rank R at the end of step S
+- ``exit:rank=R:step=S:code=C`` the worker exits with status C at the end of step S
+- ``hang:rank=R:step=S``      rank R stops making progress at step S; its process and
+                              its heartbeat thread stay alive
+- ``node-down:node=N:step=S`` SIGKILL node N's agent and all its workers (power loss)
+                              when that node's first rank ends step S
+- ``slow:rank=R:factor=F``    rank R's steps take F times as long (sleep injection)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "kill": ("rank", "step"),
+    "exit": ("rank", "step", "code"),
+    "hang": ("rank", "step"),
+    "node-down": ("node", "step"),
+    "slow": ("rank", "factor"),
+}
+_EXAMPLE = "kill:rank=1:step=20"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class InjectSpec:
+    """One injected fault. ``id`` is its index on the command line (stable across restarts)."""
+
+    id: int
+    kind: str
+    rank: int | None = None
+    node: int | None = None
+    step: int | None = None
+    code: int = 1
+    factor: float = 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> InjectSpec:
+        return InjectSpec(**d)
+
+    def describe(self) -> str:
+        where = f"node={self.node}" if self.kind == "node-down" else f"rank={self.rank}"
+        tail = f":factor={self.factor}" if self.kind == "slow" else f":step={self.step}"
+        return f"{self.kind}:{where}{tail}"
+
+
+def parse_inject(text: str, index: int) -> InjectSpec:
+    """Parse one ``--inject`` value. Raises ValueError with the expected form on bad input."""
+    kind, *parts = text.strip().split(":")
+    if kind not in _REQUIRED:
+        raise ValueError(
+            f"--inject {text!r}: unknown kind {kind!r}; use one of {', '.join(_REQUIRED)} "
+            f"(e.g. {_EXAMPLE})"
+        )
+    fields: dict[str, str] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not value:
+            raise ValueError(f"--inject {text!r}: {part!r} is not key=value (e.g. {_EXAMPLE})")
+        fields[key] = value
+    missing = [k for k in _REQUIRED[kind] if k not in fields]
+    extra = [k for k in fields if k not in _REQUIRED[kind]]
+    if missing or extra:
+        want = ":".join(f"{k}=…" for k in _REQUIRED[kind])
+        raise ValueError(f"--inject {text!r}: {kind} takes {kind}:{want}")
+    try:
+        kw: dict[str, Any] = {k: (float(v) if k == "factor" else int(v)) for k, v in fields.items()}
+    except ValueError:
+        raise ValueError(f"--inject {text!r}: values must be numbers (e.g. {_EXAMPLE})") from None
+    for key in ("rank", "node", "step"):
+        if key in kw and kw[key] < 0:
+            raise ValueError(f"--inject {text!r}: {key} must be >= 0")
+    if kind == "slow" and kw["factor"] < 1.0:
+        raise ValueError(f"--inject {text!r}: factor must be >= 1.0")
+    return InjectSpec(id=index, kind=kind, **kw)
+
+
+def dumps(specs: list[InjectSpec]) -> str:
+    return json.dumps([s.to_json() for s in specs])
+
+
+def loads(text: str) -> list[InjectSpec]:
+    return [InjectSpec.from_json(d) for d in json.loads(text)] if text else []

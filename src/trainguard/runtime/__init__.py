@@ -1,0 +1,1 @@
+"""What a worker imports: init, step boundaries, reports to the node agent."""

@@ -1,0 +1,19 @@
+"""Environment contract between the agent and a worker's runtime.
+
+The agent sets the standard torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT,
+TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_ERROR_FILE) plus the ones named here.
+"""
+
+from __future__ import annotations
+
+ENV_AGENT_ADDR = "TRAINGUARD_AGENT_ADDR"  # host:port of the agent's UDP report socket
+ENV_TOKEN = "TRAINGUARD_TOKEN"  # hex job token, signs reports (wire.py)
+ENV_RUN_DIR = "TRAINGUARD_RUN_DIR"  # the job's run directory
+ENV_GENERATION = "TRAINGUARD_GENERATION"  # rendezvous epoch, 0-based
+ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"  # step every rank restores, "" for none
+ENV_CKPT_DIR = "TRAINGUARD_CKPT_DIR"  # durable checkpoint directory
+ENV_INJECT = "TRAINGUARD_INJECT"  # JSON list of armed InjectSpec (faults/inject.py)
+ENV_HEARTBEAT_S = "TRAINGUARD_HEARTBEAT_S"  # runtime heartbeat period in seconds
+
+DEFAULT_HEARTBEAT_S = 0.5

@@ -1,0 +1,184 @@
+"""The worker runtime: step boundaries, heartbeats and reports, injected faults.
+
+Usage in a training script::
+
+    rt = trainguard.init()
+    for step in range(start, steps):
+        ...                               # forward, backward, optimizer
+        trainguard.step_end(step, loss=loss.item(), tokens=n)
+
+Outside ``trainguard run`` (plain python or torchrun) every call is a cheap no-op
+apart from step timing. Under it, a daemon thread named ``trainguard-reporter``
+sends a heartbeat every ``TRAINGUARD_HEARTBEAT_S`` seconds and forwards step
+records to the node agent over UDP; the training thread only appends to a queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from trainguard.faults.inject import InjectSpec, loads
+from trainguard.runtime import api, wire
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StepRecord:
+    """One finished training step of this rank. ``duration_s`` is wall time since the last step end."""
+
+    step: int
+    t_end: float
+    duration_s: float
+    loss: float | None
+    tokens: int | None
+
+
+class Runtime:
+    """Per-process runtime handle. Create with :func:`trainguard.init`."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        self.rank = int(env.get("RANK", "0"))
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.world_size = int(env.get("WORLD_SIZE", "1"))
+        self.node_rank = int(env.get("GROUP_RANK", "0"))
+        self.generation = int(env.get(api.ENV_GENERATION, env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        self.run_dir: str | None = env.get(api.ENV_RUN_DIR) or None
+        restore = env.get(api.ENV_RESTORE_STEP, "")
+        self.restore_step: int | None = int(restore) if restore else None
+        self._heartbeat_s = float(env.get(api.ENV_HEARTBEAT_S, api.DEFAULT_HEARTBEAT_S))
+        self._injects = [s for s in loads(env.get(api.ENV_INJECT, "")) if self._targets_me(s)]
+        self._last_end = time.time()
+        self._last_step: int | None = None
+        self._slow_debt_s = 0.0
+        self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._sock: socket.socket | None = None
+        self._agent: tuple[str, int] | None = None
+        self._token = b""
+        self._thread: threading.Thread | None = None
+        addr = env.get(api.ENV_AGENT_ADDR)
+        if addr:
+            host, _, port = addr.rpartition(":")
+            self._agent = (host, int(port))
+            self._token = bytes.fromhex(env.get(api.ENV_TOKEN, ""))
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self._thread = threading.Thread(target=self._report_loop, name="trainguard-reporter", daemon=True)
+            self._thread.start()
+
+    @property
+    def supervised(self) -> bool:
+        """True when running under a trainguard agent."""
+        return self._agent is not None
+
+    def _targets_me(self, spec: InjectSpec) -> bool:
+        if spec.kind == "node-down":
+            return spec.node == self.node_rank and self.local_rank == 0
+        return spec.rank == self.rank
+
+    # ---------------------------------------------------------------- training thread
+    def step_end(self, step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
+        """Mark the end of training step ``step`` (after the optimizer update).
+
+        Cost on the training thread: two clock reads and a queue append. ``loss`` is the
+        step's scalar loss, ``tokens`` the tokens this rank processed in the step.
+        """
+        now = time.time()
+        duration = now - self._last_end
+        self._last_end = now
+        self._last_step = step
+        if self._agent is not None:
+            self._queue.put(
+                {"t": "step", "step": step, "t_end": now, "dur": duration, "loss": loss, "tokens": tokens}
+            )
+        for spec in self._injects:
+            self._maybe_fire(spec, step, duration)
+
+    def event(self, kind: str, **data: Any) -> None:
+        """Send a structured event (e.g. ``ckpt_load_end``) to the agent, off the training thread."""
+        if self._agent is not None:
+            self._queue.put({"t": "event", "kind": kind, "ts": time.time(), **data})
+
+    def _send_now(self, message: dict[str, Any]) -> None:
+        if self._sock is not None and self._agent is not None:
+            message.update(rank=self.rank, pid=os.getpid(), gen=self.generation)
+            self._sock.sendto(wire.encode(self._token, message), self._agent)
+
+    def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
+        if spec.kind == "slow":
+            # Sleep so that this step takes `factor` times its compute time.
+            compute = max(0.0, duration - self._slow_debt_s)
+            self._slow_debt_s = compute * (spec.factor - 1.0)
+            time.sleep(self._slow_debt_s)  # counted in the next step's duration
+            return
+        if spec.step != step:
+            return
+        # Delivered synchronously: on loopback the datagram sits in the agent's socket
+        # buffer before the fault below happens, so the agent learns it fired.
+        self._send_now({"t": "event", "kind": "inject_fired", "ts": time.time(), "inject": spec.to_json(), "step": step})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if spec.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "exit":
+            os._exit(spec.code)
+        elif spec.kind in ("hang", "node-down"):
+            # Stop making progress; the reporter thread keeps heartbeating. For node-down
+            # the agent SIGKILLs this process; the deadline bounds the wait regardless.
+            deadline = time.monotonic() + (3600.0 if spec.kind == "hang" else 60.0)
+            while time.monotonic() < deadline:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---------------------------------------------------------------- reporter thread
+    def _report_loop(self) -> None:
+        next_beat = 0.0
+        while not self._closed.is_set():
+            batch: list[dict[str, Any]] = []
+            timeout = max(0.0, next_beat - time.monotonic())
+            try:
+                batch.append(self._queue.get(timeout=timeout))
+                while len(batch) < 64:
+                    batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            if time.monotonic() >= next_beat:
+                batch.append({"t": "hb", "ts": time.time(), "step": self._last_step})
+                next_beat = time.monotonic() + self._heartbeat_s
+            try:
+                self._send_now({"t": "batch", "items": batch})
+            except OSError:
+                pass  # agent gone: heartbeats resume if it returns; nothing to save here
+
+    def close(self) -> None:
+        """Stop the reporter thread (joined with a 2 s deadline)."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self._sock is not None:
+            self._sock.close()
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def init() -> Runtime:
+    """Return this process's runtime, creating it on first call (idempotent, thread-safe)."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = Runtime()
+        return _runtime
+
+
+def step_end(step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
+    """Module-level shortcut for ``init().step_end(...)``."""
+    init().step_end(step, loss=loss, tokens=tokens)

@@ -1,0 +1,44 @@
+"""Authenticated JSON datagrams between a worker's runtime and its node agent.
+
+A datagram is ``hex(hmac_sha256(token, body)) + b"\\n" + body`` where ``body`` is
+UTF-8 JSON. The agent verifies the HMAC before parsing the JSON (ARCHITECTURE §5:
+nothing received is decoded before it is authenticated). Datagrams stay below
+64 KiB, the UDP limit on loopback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+MAX_DATAGRAM_BYTES = 60_000
+
+
+class WireAuthError(ValueError):
+    """A datagram whose HMAC does not match the job token (dropped by the receiver)."""
+
+
+def encode(token: bytes, message: dict[str, Any]) -> bytes:
+    """Serialize and sign ``message``. Raises ValueError if it exceeds MAX_DATAGRAM_BYTES."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    mac = hmac.new(token, body, hashlib.sha256).hexdigest().encode()
+    data = mac + b"\n" + body
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise ValueError(f"datagram of {len(data)} bytes exceeds {MAX_DATAGRAM_BYTES}")
+    return data
+
+
+def decode(token: bytes, data: bytes) -> dict[str, Any]:
+    """Verify and parse a datagram. Raises WireAuthError on a bad or missing HMAC."""
+    mac, sep, body = data.partition(b"\n")
+    if not sep:
+        raise WireAuthError("datagram without a signature")
+    want = hmac.new(token, body, hashlib.sha256).hexdigest().encode()
+    if not hmac.compare_digest(mac, want):
+        raise WireAuthError("datagram signature does not match the job token")
+    message = json.loads(body)
+    if not isinstance(message, dict):
+        raise WireAuthError("datagram body is not a JSON object")
+    return message
