@@ -24,7 +24,9 @@ def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
     else:
         root = Path(path)
         if not root.exists():
-            raise FileNotFoundError(f"--data {path}: no such file or directory; pass a text file or a directory of them")
+            raise FileNotFoundError(
+                f"--data {path}: no such file or directory; pass a text file or a directory of them"
+            )
         files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     chunks: list[bytes] = []
     total = 0
@@ -46,7 +48,9 @@ class BatchSampler:
     the next step number and resuming at that step yields the same batches.
     """
 
-    def __init__(self, corpus: torch.Tensor, *, block_size: int, batch_size: int, seed: int, rank: int) -> None:
+    def __init__(
+        self, corpus: torch.Tensor, *, block_size: int, batch_size: int, seed: int, rank: int
+    ) -> None:
         self.corpus, self.block_size, self.batch_size = corpus, block_size, batch_size
         self.seed, self.rank = seed, rank
         self.position = 0  # next step whose batch will be drawn
@@ -54,8 +58,12 @@ class BatchSampler:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 inputs and targets, each [batch_size, block_size]."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 10_007 + step)
-        starts = torch.randint(0, len(self.corpus) - self.block_size - 1, (self.batch_size,), generator=g)
-        rows = torch.stack([self.corpus[i : i + self.block_size + 1] for i in starts.tolist()]).long()
+        starts = torch.randint(
+            0, len(self.corpus) - self.block_size - 1, (self.batch_size,), generator=g
+        )
+        rows = torch.stack(
+            [self.corpus[i : i + self.block_size + 1] for i in starts.tolist()]
+        ).long()
         self.position = step + 1
         return rows[:, :-1], rows[:, 1:]
 

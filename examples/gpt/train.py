@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--data", default=None, help="text file or directory (default: Python's stdlib sources)")
+    p.add_argument(
+        "--data", default=None, help="text file or directory (default: Python's stdlib sources)"
+    )
     p.add_argument("--data-max-bytes", type=int, default=4 << 20)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -46,9 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps (0 = never)")
+    p.add_argument(
+        "--ckpt-every", type=int, default=10, help="checkpoint every K steps (0 = never)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    p.add_argument("--out", default=None, help="run dir for metrics.jsonl (default: $TRAINGUARD_RUN_DIR or .)")
+    p.add_argument(
+        "--out", default=None, help="run dir for metrics.jsonl (default: $TRAINGUARD_RUN_DIR or .)"
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.ckpt_every < 0:
         p.error("--steps must be >= 1 and --ckpt-every >= 0")
@@ -66,7 +72,9 @@ class TrainState(Stateful):
         return {"model": msd, "optim": osd, "step": self.step}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(
+            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
         self.step = int(sd["step"])
 
 
@@ -84,13 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))
 
     corpus = load_corpus(args.data, args.data_max_bytes)
-    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    cfg = GPTConfig(
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    )
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(cfg)
     ddp = DDP(model) if distributed else model
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank stream (dropout)
-    sampler = BatchSampler(corpus, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed, rank=rank)
+    sampler = BatchSampler(
+        corpus, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed, rank=rank
+    )
 
     train = TrainState(ddp, optim)
     per_rank = {"rng": torch.get_rng_state(), "data": sampler.state_dict()}
@@ -102,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         sampler.load_state_dict(per_rank["data"])
     start = train.step
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[rank {rank}/{world}] params={n_params} corpus={len(corpus)}B start_step={start} restored={restored}", flush=True)
+    print(
+        f"[rank {rank}/{world}] params={n_params} corpus={len(corpus)}B start_step={start} restored={restored}",
+        flush=True,
+    )
 
     out = Path(args.out or os.environ.get("TRAINGUARD_RUN_DIR") or ".")
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115

@@ -63,7 +63,10 @@ def hang_limit(desired: dict[str, Any], w: wk.Worker) -> float:
     if desired.get("hang_timeout_s") is not None:
         return float(desired["hang_timeout_s"])
     longest = max(w.durations, default=0.0)
-    return min(float(desired["hang_timeout_max_s"]), max(float(desired["hang_timeout_min_s"]), CALIBRATION_FACTOR * longest))
+    return min(
+        float(desired["hang_timeout_max_s"]),
+        max(float(desired["hang_timeout_min_s"]), CALIBRATION_FACTOR * longest),
+    )
 
 
 class Agent:
@@ -114,18 +117,32 @@ class Agent:
         run_dir = str(self.cfg.run_dir.resolve())
         return {
             **self._base_env(),
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(d["world_size"]),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(d["node_rank"]), "GROUP_WORLD_SIZE": str(d["nnodes"]),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(d["world_size"]), "ROLE_NAME": "default",
-            "MASTER_ADDR": str(d["master_addr"]), "MASTER_PORT": str(d["master_port"]),
-            "TORCHELASTIC_RESTART_COUNT": str(d["restarts"]), "TORCHELASTIC_MAX_RESTARTS": str(d["max_restarts"]),
-            "TORCHELASTIC_RUN_ID": self.cfg.run_dir.name, "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_ERROR_FILE": str(self.cfg.run_dir / "errors" / f"gen{gen}.rank{rank}.json"),
-            rt_api.ENV_AGENT_ADDR: f"{self.cfg.addr}:{self.report_port}", rt_api.ENV_TOKEN: self.cfg.token,
-            rt_api.ENV_RUN_DIR: run_dir, rt_api.ENV_GENERATION: str(gen),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(d["world_size"]),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(d["node_rank"]),
+            "GROUP_WORLD_SIZE": str(d["nnodes"]),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(d["world_size"]),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": str(d["master_addr"]),
+            "MASTER_PORT": str(d["master_port"]),
+            "TORCHELASTIC_RESTART_COUNT": str(d["restarts"]),
+            "TORCHELASTIC_MAX_RESTARTS": str(d["max_restarts"]),
+            "TORCHELASTIC_RUN_ID": self.cfg.run_dir.name,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_ERROR_FILE": str(
+                self.cfg.run_dir / "errors" / f"gen{gen}.rank{rank}.json"
+            ),
+            rt_api.ENV_AGENT_ADDR: f"{self.cfg.addr}:{self.report_port}",
+            rt_api.ENV_TOKEN: self.cfg.token,
+            rt_api.ENV_RUN_DIR: run_dir,
+            rt_api.ENV_GENERATION: str(gen),
             rt_api.ENV_RESTORE_STEP: "" if d["restore_step"] is None else str(d["restore_step"]),
             rt_api.ENV_CKPT_DIR: str(Path(run_dir) / "checkpoints"),
-            rt_api.ENV_INJECT: json.dumps(d["injects"]), rt_api.ENV_HEARTBEAT_S: str(d["heartbeat_s"]),
+            rt_api.ENV_INJECT: json.dumps(d["injects"]),
+            rt_api.ENV_HEARTBEAT_S: str(d["heartbeat_s"]),
         }
 
     # ------------------------------------------------------------------ main loop
@@ -140,8 +157,13 @@ class Agent:
         threading.Thread(target=self._warm_torch, name="agent-warm", daemon=True).start()
         threading.Thread(target=self._poll_loop, name="agent-poll", daemon=True).start()
         threading.Thread(target=self._report_loop, name="agent-report", daemon=True).start()
-        log.info("agent %s (%s) up at %s, reports on udp %d", self.cfg.node_id, self.incarnation,
-                 self.cfg.addr, self.report_port)
+        log.info(
+            "agent %s (%s) up at %s, reports on udp %d",
+            self.cfg.node_id,
+            self.incarnation,
+            self.cfg.addr,
+            self.report_port,
+        )
         try:
             while not self._shutdown.is_set():
                 if self.cfg.exit_with_parent and os.getppid() != parent:
@@ -195,7 +217,13 @@ class Agent:
         from torch.distributed import TCPStore
 
         self._store = None  # the previous generation's store closes with it
-        store = TCPStore(self.cfg.addr, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300))
+        store = TCPStore(
+            self.cfg.addr,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=300),
+        )
         self._store = (gen, store)
         self._report_now.set()
 
@@ -209,11 +237,27 @@ class Agent:
             log_path = self.cfg.run_dir / "logs" / f"rank{rank}.gen{gen}.log"
             error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
             proc = self.spares.take()
-            wk.launch(proc, {"env": env, "argv": [d["script"], *d["script_args"]], "cwd": os.getcwd(),
-                             "log": str(log_path), "error_file": str(error_file)})
-            self.workers[rank] = wk.Worker(rank=rank, local_rank=local_rank, proc=proc, log_path=log_path,
-                                           error_file=error_file, started_mono=time.monotonic())
-            self._event("worker_started", generation=gen, rank=rank, pid=proc.pid, log=str(log_path))
+            wk.launch(
+                proc,
+                {
+                    "env": env,
+                    "argv": [d["script"], *d["script_args"]],
+                    "cwd": os.getcwd(),
+                    "log": str(log_path),
+                    "error_file": str(error_file),
+                },
+            )
+            self.workers[rank] = wk.Worker(
+                rank=rank,
+                local_rank=local_rank,
+                proc=proc,
+                log_path=log_path,
+                error_file=error_file,
+                started_mono=time.monotonic(),
+            )
+            self._event(
+                "worker_started", generation=gen, rank=rank, pid=proc.pid, log=str(log_path)
+            )
         log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
         self._report_now.set()
 
@@ -226,8 +270,13 @@ class Agent:
         self._poll_workers(stopping=True)
         killed = wk.clean_descendants(keep=self.spares.pids)
         self._cleaned_at = time.time()
-        self._event("workers_stopped", generation=self.generation, grace_s=grace_s, stray_killed=killed,
-                    exit_codes={w.rank: w.exit_code for w in self.workers.values()})
+        self._event(
+            "workers_stopped",
+            generation=self.generation,
+            grace_s=grace_s,
+            stray_killed=killed,
+            exit_codes={w.rank: w.exit_code for w in self.workers.values()},
+        )
         self.workers = {}
         self.generation = None
         self._store = None
@@ -248,8 +297,15 @@ class Agent:
             else:
                 w.state = "failed"
                 w.error = w.read_error()
-            self._event("worker_exited", generation=self.generation, rank=w.rank, pid=w.proc.pid,
-                        exit_code=code, state=w.state, error=w.error)
+            self._event(
+                "worker_exited",
+                generation=self.generation,
+                rank=w.rank,
+                pid=w.proc.pid,
+                exit_code=code,
+                state=w.state,
+                error=w.error,
+            )
             self._report_now.set()
 
     def _watch_hangs(self) -> None:
@@ -264,10 +320,19 @@ class Agent:
             if now - ref > limit:
                 self._hang = True
                 self._report_now.set()
-                stacks = wk.dump_stacks({x.rank: x.proc.pid for x in self.workers.values() if x.state == "running"})
-                self._event("hang_suspected", generation=self.generation, rank=w.rank, step=w.step,
-                            stalled_s=round(now - ref, 3), limit_s=round(limit, 3),
-                            progress={x.rank: x.step for x in self.workers.values()}, stacks=stacks)
+                stacks = wk.dump_stacks(
+                    {x.rank: x.proc.pid for x in self.workers.values() if x.state == "running"}
+                )
+                self._event(
+                    "hang_suspected",
+                    generation=self.generation,
+                    rank=w.rank,
+                    step=w.step,
+                    stalled_s=round(now - ref, 3),
+                    limit_s=round(limit, 3),
+                    progress={x.rank: x.step for x in self.workers.values()},
+                    stacks=stacks,
+                )
                 self._report_now.set()
                 return
 
@@ -302,7 +367,8 @@ class Agent:
                 w.durations.append(float(it["dur"]))
                 with self._lock:
                     self._steps.setdefault((self.generation, w.rank), []).append(
-                        {k: it[k] for k in ("step", "t_end", "dur", "loss", "tokens")})
+                        {k: it[k] for k in ("step", "t_end", "dur", "loss", "tokens")}
+                    )
             elif kind == "event":
                 ev = {k: v for k, v in it.items() if k not in ("t", "rank", "pid", "gen")}
                 self._event(ev.pop("kind"), generation=self.generation, rank=w.rank, **ev)
@@ -331,20 +397,32 @@ class Agent:
             events, self._events = self._events, []
             steps, self._steps = self._steps, {}
         return {
-            "node_id": self.cfg.node_id, "addr": self.cfg.addr, "incarnation": self.incarnation,
-            "generation": self.generation, "workers": [w.observe(now) for w in list(self.workers.values())],
-            "hang": self._hang, "stopped_generation": self._stopped_generation,
-            "stopped_at": self._stopped_at, "cleaned_at": self._cleaned_at,
+            "node_id": self.cfg.node_id,
+            "addr": self.cfg.addr,
+            "incarnation": self.incarnation,
+            "generation": self.generation,
+            "workers": [w.observe(now) for w in list(self.workers.values())],
+            "hang": self._hang,
+            "stopped_generation": self._stopped_generation,
+            "stopped_at": self._stopped_at,
+            "cleaned_at": self._cleaned_at,
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
             "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],
         }
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+    ) -> dict[str, Any]:
         req = urllib.request.Request(
-            f"http://{self.cfg.controller}{path}", method=method,
+            f"http://{self.cfg.controller}{path}",
+            method=method,
             data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {self.cfg.token}", "Content-Type": "application/json"})
+            headers={
+                "Authorization": f"Bearer {self.cfg.token}",
+                "Content-Type": "application/json",
+            },
+        )
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
 
@@ -378,8 +456,12 @@ class Agent:
         backoff = 0.1
         while not self._shutdown.is_set():
             try:
-                reply = self._request("GET", f"/v1/desired?node={self.cfg.node_id}&version={self._desired[0]}&wait_s=10",
-                                      None, timeout_s=15.0)
+                reply = self._request(
+                    "GET",
+                    f"/v1/desired?node={self.cfg.node_id}&version={self._desired[0]}&wait_s=10",
+                    None,
+                    timeout_s=15.0,
+                )
                 self._accept(reply)
                 backoff = 0.1
             except (OSError, urllib.error.URLError, ValueError):
@@ -388,6 +470,9 @@ class Agent:
 
 
 def main(cfg: AgentConfig) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s agent[{cfg.node_id}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s agent[{cfg.node_id}] %(levelname)s %(message)s",
+    )
     return Agent(cfg).run()

@@ -13,6 +13,7 @@ powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -37,8 +38,15 @@ def _die_with_parent(parent: int) -> None:
 
 def write_error_file(path: str, exc: BaseException) -> None:
     """torchelastic error-file format (torch.distributed.elastic.multiprocessing.errors)."""
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f)
@@ -47,10 +55,8 @@ def write_error_file(path: str, exc: BaseException) -> None:
 
 def main() -> None:
     _die_with_parent(int(os.environ.get("TRAINGUARD_AGENT_PID", "0")) or os.getppid())
-    try:
+    with contextlib.suppress(ImportError):
         import torch  # noqa: F401  (warm import: the point of a spare)
-    except ImportError:
-        pass
     line = sys.stdin.readline()
     if not line:
         return

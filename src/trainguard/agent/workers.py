@@ -50,17 +50,25 @@ class Worker:
     last_progress_mono: float | None = None
     last_progress_at: float | None = None
     last_hb_mono: float | None = None
-    durations: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+    durations: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=64)
+    )
 
     def observe(self, now_mono: float) -> dict[str, Any]:
         """The WorkerObs fields the controller receives (controller/api.py)."""
         ref = self.last_progress_mono if self.last_progress_mono is not None else self.started_mono
         return {
-            "rank": self.rank, "local_rank": self.local_rank, "pid": self.proc.pid, "state": self.state,
-            "exit_code": self.exit_code, "error": self.error, "step": self.step,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": self.proc.pid,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "error": self.error,
+            "step": self.step,
             "progress_age_s": now_mono - ref,
             "heartbeat_age_s": None if self.last_hb_mono is None else now_mono - self.last_hb_mono,
-            "exited_at": self.exited_at, "last_progress_at": self.last_progress_at,
+            "exited_at": self.exited_at,
+            "last_progress_at": self.last_progress_at,
         }
 
     def read_error(self) -> str | None:
@@ -91,8 +99,13 @@ class SparePool:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainguard.agent.spare"], stdin=subprocess.PIPE, stdout=self._log,
-            stderr=self._log, env=self._env, start_new_session=True, close_fds=True,
+            [sys.executable, "-m", "trainguard.agent.spare"],
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=self._log,
+            env=self._env,
+            start_new_session=True,
+            close_fds=True,
         )
 
     def fill(self, n: int) -> None:
@@ -146,10 +159,8 @@ def kill_groups(procs: list[subprocess.Popen[bytes]], *, grace_s: float) -> None
     for p in procs:
         _signal_group(p.pid, signal.SIGKILL)  # the group may hold children even after p exited
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL'd but stuck in D state
             p.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd process stuck in D state
-            pass
 
 
 def clean_descendants(keep: set[int]) -> list[int]:
@@ -190,8 +201,12 @@ def dump_stacks(pids: dict[int, int], *, timeout_s: float = 10.0) -> dict[int, s
     exe = shutil.which("py-spy")
     if exe is None:
         return {r: "no stack: py-spy is not installed (pip install py-spy)" for r in pids}
-    procs = {r: subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT) for r, pid in pids.items()}
+    procs = {
+        r: subprocess.Popen(
+            [exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for r, pid in pids.items()
+    }
     deadline = time.monotonic() + timeout_s
     out: dict[int, str] = {}
     for r, p in procs.items():

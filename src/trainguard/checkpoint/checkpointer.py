@@ -50,7 +50,9 @@ class Checkpointer:
         env = os.environ
         if directory is None:
             run_dir = env.get(rt_api.ENV_RUN_DIR)
-            directory = env.get(rt_api.ENV_CKPT_DIR) or (Path(run_dir) / "checkpoints" if run_dir else "checkpoints")
+            directory = env.get(rt_api.ENV_CKPT_DIR) or (
+                Path(run_dir) / "checkpoints" if run_dir else "checkpoints"
+            )
         self.root = Path(directory)
         self.keep = keep
         self._rt = runtime_init()

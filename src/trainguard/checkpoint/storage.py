@@ -106,7 +106,9 @@ def verify(root: Path, step: int) -> list[str]:
     return problems
 
 
-def newest_verified(root: Path, *, at_most: int | None = None) -> tuple[int | None, dict[int, list[str]]]:
+def newest_verified(
+    root: Path, *, at_most: int | None = None
+) -> tuple[int | None, dict[int, list[str]]]:
     """Newest committed step whose files verify (<= ``at_most`` if given), and the corrupt ones skipped."""
     skipped: dict[int, list[str]] = {}
     for step in reversed(list_committed(root)):

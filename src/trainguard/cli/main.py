@@ -14,21 +14,41 @@ from trainguard import __version__
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainguard", description="Keep PyTorch training jobs running through faults.")
+    p = argparse.ArgumentParser(
+        prog="trainguard", description="Keep PyTorch training jobs running through faults."
+    )
     p.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a training job on this machine with simulated nodes")
     r.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (default 1)")
-    r.add_argument("--standby", type=int, default=0, help="standby nodes kept to replace lost ones (default 0)")
+    r.add_argument(
+        "--standby", type=int, default=0, help="standby nodes kept to replace lost ones (default 0)"
+    )
     r.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    r.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/<timestamp>)")
-    r.add_argument("--max-restarts", type=int, default=None, help="restarts before the job fails (default 3)")
-    r.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
-                   help="fixed hang timeout (default: calibrated from step times, 10 s to 300 s)")
-    r.add_argument("--inject", action="append", default=[], metavar="SPEC",
-                   help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)")
-    r.add_argument("--config", type=Path, default=None, help="TOML file with further JobConfig fields")
+    r.add_argument(
+        "--run-dir", type=Path, default=None, help="run directory (default runs/<timestamp>)"
+    )
+    r.add_argument(
+        "--max-restarts", type=int, default=None, help="restarts before the job fails (default 3)"
+    )
+    r.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fixed hang timeout (default: calibrated from step times, 10 s to 300 s)",
+    )
+    r.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)",
+    )
+    r.add_argument(
+        "--config", type=Path, default=None, help="TOML file with further JobConfig fields"
+    )
     r.add_argument("script", help="training script (Python)")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -40,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--run-dir", type=Path, required=True)
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
-    for name, what in (("events", "list a job's events"), ("report", "summarize a job: steps, faults, recoveries, goodput")):
+    for name, what in (
+        ("events", "list a job's events"),
+        ("report", "summarize a job: steps, faults, recoveries, goodput"),
+    ):
         e = sub.add_parser(name, help=what)
         e.add_argument("--run-dir", type=Path, required=True)
         e.add_argument("--json", action="store_true", help="machine-readable output")
@@ -59,8 +82,16 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.agent.agent import main as agent_main
 
             token = args.token_file.read_text().strip()
-            return agent_main(AgentConfig(controller=args.controller, token=token, node_id=args.node_id,
-                                          addr=args.addr, run_dir=args.run_dir, exit_with_parent=args.exit_with_parent))
+            return agent_main(
+                AgentConfig(
+                    controller=args.controller,
+                    token=token,
+                    node_id=args.node_id,
+                    addr=args.addr,
+                    run_dir=args.run_dir,
+                    exit_with_parent=args.exit_with_parent,
+                )
+            )
         from trainguard.observe import report
 
         if args.cmd == "events":

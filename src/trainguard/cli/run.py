@@ -37,24 +37,45 @@ def build_config(args: argparse.Namespace) -> JobConfig:
     """Validate flags and the config file into a JobConfig. Raises ValueError naming the fix."""
     script = Path(args.script)
     if not script.is_file():
-        raise ValueError(f"script {args.script!r} not found; pass the path of a Python training script")
+        raise ValueError(
+            f"script {args.script!r} not found; pass the path of a Python training script"
+        )
     run_dir = args.run_dir or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     extra: dict[str, Any] = {}
     if args.config is not None:
         try:
             extra = tomllib.loads(args.config.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"--config {args.config}: {e}; give a readable TOML file of JobConfig fields") from None
-        known = {f.name for f in dataclasses.fields(JobConfig)} - {"script", "script_args", "run_dir", "injects"}
+            raise ValueError(
+                f"--config {args.config}: {e}; give a readable TOML file of JobConfig fields"
+            ) from None
+        known = {f.name for f in dataclasses.fields(JobConfig)} - {
+            "script",
+            "script_args",
+            "run_dir",
+            "injects",
+        }
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ValueError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    flags = {"nodes": args.nodes, "standby": args.standby, "nproc_per_node": args.nproc_per_node,
-             "max_restarts": args.max_restarts, "hang_timeout_s": args.hang_timeout}
+            raise ValueError(
+                f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+    flags = {
+        "nodes": args.nodes,
+        "standby": args.standby,
+        "nproc_per_node": args.nproc_per_node,
+        "max_restarts": args.max_restarts,
+        "hang_timeout_s": args.hang_timeout,
+    }
     extra.update({k: v for k, v in flags.items() if v is not None})
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
-    cfg = JobConfig(script=str(script.resolve()), script_args=tuple(args.script_args), run_dir=str(run_dir.resolve()),
-                    injects=injects, **extra)
+    cfg = JobConfig(
+        script=str(script.resolve()),
+        script_args=tuple(args.script_args),
+        run_dir=str(run_dir.resolve()),
+        injects=injects,
+        **extra,
+    )
     _check_writable(run_dir)
     return cfg
 
@@ -66,7 +87,9 @@ def _check_writable(run_dir: Path) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"run dir {run_dir} is not writable ({e.strerror}); pass --run-dir to a writable place") from None
+        raise ValueError(
+            f"run dir {run_dir} is not writable ({e.strerror}); pass --run-dir to a writable place"
+        ) from None
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -83,7 +106,10 @@ class Cluster:
 
     def __init__(self, cfg: JobConfig, controller: str, token_file: Path) -> None:
         self.cfg, self.controller, self.token_file = cfg, controller, token_file
-        self.nodes = [SimNode(node_id=f"node{i}", addr=f"127.0.0.{i + 2}") for i in range(cfg.nodes + cfg.standby)]
+        self.nodes = [
+            SimNode(node_id=f"node{i}", addr=f"127.0.0.{i + 2}")
+            for i in range(cfg.nodes + cfg.standby)
+        ]
         self.stopping = False
 
     def _spawn(self, n: SimNode) -> None:
@@ -91,9 +117,27 @@ class Cluster:
         if n.log is None:
             n.log = open(run_dir / "logs" / f"agent.{n.node_id}.log", "ab")  # noqa: SIM115
         n.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard", "agent", "--controller", self.controller, "--token-file",
-             str(self.token_file), "--node-id", n.node_id, "--addr", n.addr, "--run-dir", str(run_dir),
-             "--exit-with-parent"], stdout=n.log, stderr=n.log, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "trainguard",
+                "agent",
+                "--controller",
+                self.controller,
+                "--token-file",
+                str(self.token_file),
+                "--node-id",
+                n.node_id,
+                "--addr",
+                n.addr,
+                "--run-dir",
+                str(run_dir),
+                "--exit-with-parent",
+            ],
+            stdout=n.log,
+            stderr=n.log,
+            start_new_session=True,
+        )
         n.down_since = None
 
     def start(self) -> None:
@@ -108,7 +152,11 @@ class Cluster:
             if n.proc is not None and n.proc.poll() is not None and not self.stopping:
                 store.record("node_down", {"node": n.node_id, "exit_code": n.proc.returncode})
                 n.proc, n.down_since = None, now
-            elif n.proc is None and n.down_since is not None and now - n.down_since >= self.cfg.reboot_delay_s:
+            elif (
+                n.proc is None
+                and n.down_since is not None
+                and now - n.down_since >= self.cfg.reboot_delay_s
+            ):
                 store.record("node_rebooted", {"node": n.node_id})
                 self._spawn(n)
 
@@ -116,7 +164,9 @@ class Cluster:
         """Wait for every agent to exit (they stop their workers first), then SIGKILL stragglers."""
         self.stopping = True
         end = time.monotonic() + deadline_s
-        while time.monotonic() < end and any(n.proc is not None and n.proc.poll() is None for n in self.nodes):
+        while time.monotonic() < end and any(
+            n.proc is not None and n.proc.poll() is None for n in self.nodes
+        ):
             await asyncio.sleep(0.05)
         for n in self.nodes:
             if n.proc is not None and n.proc.poll() is None:
@@ -134,7 +184,9 @@ async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState_T
     got_signal: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (got_signal.append(s), controller.request_stop()))
+        loop.add_signal_handler(
+            sig, lambda s=sig: (got_signal.append(s), controller.request_stop())
+        )
     log.info("controller on %s:%d; run dir %s", host, port, cfg.run_dir)
     cluster.start()
     done = asyncio.ensure_future(controller.wait_done())
@@ -154,7 +206,9 @@ JobState_T = Any
 
 def run_command(args: argparse.Namespace) -> int:
     cfg = build_config(args)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
+    )
     token = secrets.token_hex(16)
     token_file = Path(cfg.run_dir) / "token"
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -162,12 +216,18 @@ def run_command(args: argparse.Namespace) -> int:
         f.write(token)
     state, sig = asyncio.run(_run(cfg, token, token_file))
     if state.phase == Phase.SUCCEEDED:
-        print(f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies); "
-              f"report: trainguard report --run-dir {cfg.run_dir}", file=sys.stderr)
+        print(
+            f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies); "
+            f"report: trainguard report --run-dir {cfg.run_dir}",
+            file=sys.stderr,
+        )
         return 0
     if state.phase == Phase.STOPPED:
-        print(f"trainguard: job stopped by {signal.Signals(sig).name if sig else 'request'}; "
-              f"resume from its last checkpoint by running again with --run-dir {cfg.run_dir}", file=sys.stderr)
+        print(
+            f"trainguard: job stopped by {signal.Signals(sig).name if sig else 'request'}; "
+            f"resume from its last checkpoint by running again with --run-dir {cfg.run_dir}",
+            file=sys.stderr,
+        )
         return 128 + sig if sig else 1
     print(f"trainguard: job failed: {state.reason}", file=sys.stderr)
     return 1

@@ -86,18 +86,33 @@ class JobConfig:
         need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
         need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
         need(
-            self.hang_timeout_s is None or (math.isfinite(self.hang_timeout_s) and self.hang_timeout_s > 0),
+            self.hang_timeout_s is None
+            or (math.isfinite(self.hang_timeout_s) and self.hang_timeout_s > 0),
             f"--hang-timeout {self.hang_timeout_s}: must be a finite number of seconds > 0",
         )
-        for name in ("heartbeat_s", "node_timeout_s", "first_step_timeout_s", "rendezvous_timeout_s",
-                     "hang_timeout_min_s", "hang_timeout_max_s"):
+        for name in (
+            "heartbeat_s",
+            "node_timeout_s",
+            "first_step_timeout_s",
+            "rendezvous_timeout_s",
+            "hang_timeout_min_s",
+            "hang_timeout_max_s",
+        ):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
-        need(self.node_timeout_s > 2 * self.heartbeat_s, "node_timeout_s must exceed 2 × heartbeat_s")
+        need(
+            self.node_timeout_s > 2 * self.heartbeat_s, "node_timeout_s must exceed 2 × heartbeat_s"
+        )
         for spec in self.injects:
             if spec.rank is not None:
-                need(spec.rank < self.world_size, f"--inject {spec.describe()}: rank out of range 0..{self.world_size - 1}")
+                need(
+                    spec.rank < self.world_size,
+                    f"--inject {spec.describe()}: rank out of range 0..{self.world_size - 1}",
+                )
             if spec.node is not None:
-                need(spec.node < self.nodes, f"--inject {spec.describe()}: node out of range 0..{self.nodes - 1}")
+                need(
+                    spec.node < self.nodes,
+                    f"--inject {spec.describe()}: node out of range 0..{self.nodes - 1}",
+                )
 
     @property
     def world_size(self) -> int:
@@ -174,9 +189,25 @@ class Recovery:
 
     def durations(self) -> dict[str, float | None]:
         """Seconds per phase: detect, stop, clean, replace, rendezvous, load_checkpoint, first_step, total."""
-        marks = [self.fault.t_fault, self.fault.t_detected, self.t_stopped, self.t_cleaned,
-                 self.t_replaced, self.t_rendezvous, self.t_loaded, self.t_first_step]
-        names = ["detect", "stop", "clean", "replace", "rendezvous", "load_checkpoint", "first_step"]
+        marks = [
+            self.fault.t_fault,
+            self.fault.t_detected,
+            self.t_stopped,
+            self.t_cleaned,
+            self.t_replaced,
+            self.t_rendezvous,
+            self.t_loaded,
+            self.t_first_step,
+        ]
+        names = [
+            "detect",
+            "stop",
+            "clean",
+            "replace",
+            "rendezvous",
+            "load_checkpoint",
+            "first_step",
+        ]
         out: dict[str, float | None] = {}
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             out[name] = None if a is None or b is None else max(0.0, b - a)

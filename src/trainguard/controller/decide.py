@@ -17,8 +17,13 @@ from trainguard.controller.api import Fault, JobConfig, NodeObs, Phase, Pool, Re
 Event = tuple[str, dict[str, Any]]
 # Errors a rank raises when a *peer* died under a collective (gloo, NCCL): such a rank
 # is a victim; the culprit's own report may arrive a little later.
-_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "NCCL communicator was aborted", "remote process exited")
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
 _ACTIVE_GEN = (Phase.RENDEZVOUS, Phase.RUNNING)
 
 
@@ -33,8 +38,12 @@ class JobState:
     pools: dict[str, Pool] = dataclasses.field(default_factory=dict)
     join_order: list[str] = dataclasses.field(default_factory=list)
     incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
-    gen_incarnations: dict[str, str] = dataclasses.field(default_factory=dict)  # at generation start
-    faulty_incarnations: dict[str, str] = dataclasses.field(default_factory=dict)  # when marked faulty
+    gen_incarnations: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # at generation start
+    faulty_incarnations: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # when marked faulty
     master_port: int | None = None
     restore_step: int | None = None
     restarts: int = 0
@@ -45,7 +54,9 @@ class JobState:
     prestep_failures: int = 0
     stop_requested: bool = False
     reason: str = ""  # why the job ended (terminal phases)
-    max_step: dict[int, int] = dataclasses.field(default_factory=dict)  # generation → newest step seen
+    max_step: dict[int, int] = dataclasses.field(
+        default_factory=dict
+    )  # generation → newest step seen
 
 
 def _alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
@@ -53,11 +64,23 @@ def _alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
 
 
 def _goto(s: JobState, phase: Phase, now: float, events: list[Event], reason: str) -> None:
-    events.append(("phase", {"from": s.phase.value, "to": phase.value, "reason": reason, "generation": s.generation}))
+    events.append(
+        (
+            "phase",
+            {
+                "from": s.phase.value,
+                "to": phase.value,
+                "reason": reason,
+                "generation": s.generation,
+            },
+        )
+    )
     s.phase, s.phase_since = phase, now
 
 
-def _update_pools(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]) -> None:
+def _update_pools(
+    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+) -> None:
     for node_id, o in sorted(obs.items(), key=lambda kv: kv[1].last_seen):
         alive = _alive(o, now, cfg)
         pool = s.pools.get(node_id)
@@ -67,13 +90,31 @@ def _update_pools(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             events.append(("node_joined", {"node": node_id, "addr": o.addr, "pool": "standby"}))
         elif pool == Pool.FAULTY and alive and s.faulty_incarnations.get(node_id) != o.incarnation:
             s.pools[node_id] = Pool.STANDBY
-            events.append(("pool_changed", {"node": node_id, "from": "faulty", "to": "standby",
-                                            "reason": "node returned with a fresh agent"}))
+            events.append(
+                (
+                    "pool_changed",
+                    {
+                        "node": node_id,
+                        "from": "faulty",
+                        "to": "standby",
+                        "reason": "node returned with a fresh agent",
+                    },
+                )
+            )
         elif pool == Pool.STANDBY and not alive:
             s.pools[node_id] = Pool.FAULTY
             s.faulty_incarnations[node_id] = o.incarnation
-            events.append(("pool_changed", {"node": node_id, "from": "standby", "to": "faulty",
-                                            "reason": f"no heartbeat for {now - o.last_seen:.1f}s"}))
+            events.append(
+                (
+                    "pool_changed",
+                    {
+                        "node": node_id,
+                        "from": "standby",
+                        "to": "faulty",
+                        "reason": f"no heartbeat for {now - o.last_seen:.1f}s",
+                    },
+                )
+            )
         if alive:
             s.incarnations[node_id] = o.incarnation
 
@@ -85,15 +126,27 @@ def _victim(error: str | None) -> bool:
 def _rebooted(s: JobState, node_id: str, obs: dict[str, NodeObs]) -> bool:
     """The node's agent restarted since the generation began: its workers died with it."""
     o = obs.get(node_id)
-    return o is not None and node_id in s.gen_incarnations and o.incarnation != s.gen_incarnations[node_id]
+    return (
+        o is not None
+        and node_id in s.gen_incarnations
+        and o.incarnation != s.gen_incarnations[node_id]
+    )
 
 
 def _lost(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> list[str]:
-    return [n for n in s.assignment if n not in obs or not _alive(obs[n], now, cfg) or _rebooted(s, n, obs)]
+    return [
+        n
+        for n in s.assignment
+        if n not in obs or not _alive(obs[n], now, cfg) or _rebooted(s, n, obs)
+    ]
 
 
 def _healthy_standby(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> list[str]:
-    return [n for n in s.join_order if s.pools.get(n) == Pool.STANDBY and n in obs and _alive(obs[n], now, cfg)]
+    return [
+        n
+        for n in s.join_order
+        if s.pools.get(n) == Pool.STANDBY and n in obs and _alive(obs[n], now, cfg)
+    ]
 
 
 def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Fault | None:
@@ -103,13 +156,33 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
     if lost:
         n = lost[0]
         if _rebooted(s, n, obs):
-            return Fault(cause="node_lost", generation=gen, rank=None, node_id=n, step=s.max_step.get(gen),
-                         t_fault=now, t_detected=now, message=f"node {n} restarted (new agent incarnation)")
+            return Fault(
+                cause="node_lost",
+                generation=gen,
+                rank=None,
+                node_id=n,
+                step=s.max_step.get(gen),
+                t_fault=now,
+                t_detected=now,
+                message=f"node {n} restarted (new agent incarnation)",
+            )
         seen = obs[n].last_seen if n in obs else s.phase_since
-        return Fault(cause="node_lost", generation=gen, rank=None, node_id=n, step=s.max_step.get(gen),
-                     t_fault=seen, t_detected=now, message=f"no heartbeat from {n} for {now - seen:.1f}s")
-    failed = [(w.exited_at or now, n, w) for n in s.assignment for w in obs[n].workers.values()
-              if obs[n].generation == gen and w.state == "failed"]
+        return Fault(
+            cause="node_lost",
+            generation=gen,
+            rank=None,
+            node_id=n,
+            step=s.max_step.get(gen),
+            t_fault=seen,
+            t_detected=now,
+            message=f"no heartbeat from {n} for {now - seen:.1f}s",
+        )
+    failed = [
+        (w.exited_at or now, n, w)
+        for n in s.assignment
+        for w in obs[n].workers.values()
+        if obs[n].generation == gen and w.state == "failed"
+    ]
     culprits = [f for f in failed if not _victim(f[2].error)]
     settle_s = 2 * cfg.heartbeat_s
     if failed and not culprits and now - min(f[0] for f in failed) < settle_s:
@@ -119,27 +192,62 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         code = w.exit_code or 0
         cause = "worker_crash" if code < 0 else "worker_exit"
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return Fault(cause=cause, generation=gen, rank=w.rank, node_id=n, step=w.step, t_fault=t,
-                     t_detected=now, message=f"rank {w.rank} {what}" + (f": {w.error}" if w.error else ""))
+        return Fault(
+            cause=cause,
+            generation=gen,
+            rank=w.rank,
+            node_id=n,
+            step=w.step,
+            t_fault=t,
+            t_detected=now,
+            message=f"rank {w.rank} {what}" + (f": {w.error}" if w.error else ""),
+        )
     hung = [n for n in s.assignment if obs[n].hang and obs[n].generation == gen]
     if hung:
         # Culprit: a rank whose heartbeat stopped (frozen process), else the rank furthest behind.
-        workers = [(n, w) for n in s.assignment for w in obs[n].workers.values() if obs[n].generation == gen]
+        workers = [
+            (n, w)
+            for n in s.assignment
+            for w in obs[n].workers.values()
+            if obs[n].generation == gen
+        ]
         stale = [(n, w) for n, w in workers if (w.heartbeat_age_s or 0) > 2 * cfg.heartbeat_s + 1]
         pool = stale or workers
-        n, w = min(pool, key=lambda nw: (nw[1].step if nw[1].step is not None else -1, -(nw[1].progress_age_s or 0)))
+        n, w = min(
+            pool,
+            key=lambda nw: (
+                nw[1].step if nw[1].step is not None else -1,
+                -(nw[1].progress_age_s or 0),
+            ),
+        )
         how = "heartbeat stopped" if stale else "furthest behind"
-        return Fault(cause="hang", generation=gen, rank=w.rank, node_id=n, step=w.step,
-                     t_fault=w.last_progress_at or now, t_detected=now,
-                     message=f"no progress; rank {w.rank} ({how}) at step {w.step}")
+        return Fault(
+            cause="hang",
+            generation=gen,
+            rank=w.rank,
+            node_id=n,
+            step=w.step,
+            t_fault=w.last_progress_at or now,
+            t_detected=now,
+            message=f"no progress; rank {w.rank} ({how}) at step {w.step}",
+        )
     if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.rendezvous_timeout_s:
-        return Fault(cause="rendezvous_timeout", generation=gen, rank=None, node_id=None, step=None,
-                     t_fault=s.phase_since, t_detected=now, message=f"not all ranks started in {cfg.rendezvous_timeout_s}s")
+        return Fault(
+            cause="rendezvous_timeout",
+            generation=gen,
+            rank=None,
+            node_id=None,
+            step=None,
+            t_fault=s.phase_since,
+            t_detected=now,
+            message=f"not all ranks started in {cfg.rendezvous_timeout_s}s",
+        )
     return None
 
 
-def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
-           ckpt_step: int | None) -> tuple[JobState, list[Event]]:
+def decide(
+    s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, ckpt_step: int | None
+) -> tuple[JobState, list[Event]]:
     """One step of the state machine. ``ckpt_step``: newest verified committed checkpoint step.
 
     Returns the new state (``s0`` is not modified) and the events to record.
@@ -155,7 +263,11 @@ def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
             if steps:
                 s.max_step[gen] = max(s.max_step.get(gen, 0), *steps)
 
-    if s.stop_requested and not s.phase.terminal and s.phase not in (Phase.STOPPING, Phase.CLEANING):
+    if (
+        s.stop_requested
+        and not s.phase.terminal
+        and s.phase not in (Phase.STOPPING, Phase.CLEANING)
+    ):
         if s.assignment and s.phase in _ACTIVE_GEN:
             _goto(s, Phase.STOPPING, now, events, "stop requested")
         else:
@@ -166,7 +278,9 @@ def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
     if s.phase == Phase.PENDING:
         healthy = _healthy_standby(s, obs, now, cfg)
         if len(healthy) >= cfg.nodes:
-            first = sorted(healthy, key=lambda n: (len(n), n))[: cfg.nodes]  # node0, node1, … in name order
+            first = sorted(healthy, key=lambda n: (len(n), n))[
+                : cfg.nodes
+            ]  # node0, node1, … in name order
             s.assignment = {n: i for i, n in enumerate(first)}
             _start_generation(s, now, events, ckpt_step, "all nodes joined")
 
@@ -176,7 +290,9 @@ def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
         if s.master_port is None and store is not None and store[0] == gen:
             s.master_port = store[1]
         fault = _detect_fault(s, obs, now, cfg)
-        workers = [w for n in s.assignment for w in obs[n].workers.values() if obs[n].generation == gen]
+        workers = [
+            w for n in s.assignment for w in obs[n].workers.values() if obs[n].generation == gen
+        ]
         if fault is not None:
             s.recovery = Recovery(fault=fault, from_generation=gen)
             events.append(("fault", fault.to_json()))
@@ -185,16 +301,27 @@ def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
         elif len(workers) == cfg.world_size and all(w.state == "succeeded" for w in workers):
             s.reason = f"all {cfg.world_size} ranks finished"
             _goto(s, Phase.SUCCEEDED, now, events, s.reason)
-        elif s.phase == Phase.RENDEZVOUS and len(workers) == cfg.world_size and all(
-                w.state in ("running", "succeeded") for w in workers):
+        elif (
+            s.phase == Phase.RENDEZVOUS
+            and len(workers) == cfg.world_size
+            and all(w.state in ("running", "succeeded") for w in workers)
+        ):
             _goto(s, Phase.RUNNING, now, events, f"all {cfg.world_size} ranks running")
 
     elif s.phase == Phase.STOPPING:
-        pending = [n for n in s.assignment if n in obs and _alive(obs[n], now, cfg)
-                   and obs[n].stopped_generation < gen and not _rebooted(s, n, obs)]
+        pending = [
+            n
+            for n in s.assignment
+            if n in obs
+            and _alive(obs[n], now, cfg)
+            and obs[n].stopped_generation < gen
+            and not _rebooted(s, n, obs)
+        ]
         if not pending:
             if s.recovery is not None:
-                acks = [obs[n] for n in s.assignment if n in obs and obs[n].stopped_generation >= gen]
+                acks = [
+                    obs[n] for n in s.assignment if n in obs and obs[n].stopped_generation >= gen
+                ]
                 s.recovery.t_stopped = max([o.stopped_at or now for o in acks], default=now)
                 s.recovery.t_cleaned = max([o.cleaned_at or now for o in acks], default=now)
             _goto(s, Phase.CLEANING, now, events, "every live node stopped its workers")
@@ -204,7 +331,9 @@ def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
             s.reason = "stopped by request"
             _goto(s, Phase.STOPPED, now, events, s.reason)
         else:
-            _goto(s, Phase.REPLACING, now, events, "workers stopped, processes and segments cleaned")
+            _goto(
+                s, Phase.REPLACING, now, events, "workers stopped, processes and segments cleaned"
+            )
             _apply_policy(s, now, cfg, events, ckpt_step)
 
     if s.phase in (Phase.REPLACING, Phase.WAITING_FOR_NODES):
@@ -212,7 +341,9 @@ def decide(s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
     return s, events
 
 
-def _apply_policy(s: JobState, now: float, cfg: JobConfig, events: list[Event], ckpt_step: int | None) -> None:
+def _apply_policy(
+    s: JobState, now: float, cfg: JobConfig, events: list[Event], ckpt_step: int | None
+) -> None:
     """Restart policy, checked once per fault: user error, no progress, restart budget."""
     assert s.recovery is not None
     fault = s.recovery.fault
@@ -223,10 +354,14 @@ def _apply_policy(s: JobState, now: float, cfg: JobConfig, events: list[Event], 
         s.prestep_failures = 0
     progressed = ckpt_step is not None and (s.restore_step is None or ckpt_step > s.restore_step)
     s.no_progress_generations = 0 if progressed else s.no_progress_generations + 1
-    s.recovery.steps_lost = max(0, s.max_step.get(gen, 0) - (ckpt_step or 0)) if gen in s.max_step else 0
+    s.recovery.steps_lost = (
+        max(0, s.max_step.get(gen, 0) - (ckpt_step or 0)) if gen in s.max_step else 0
+    )
     if s.prestep_failures >= cfg.user_error_generations:
-        s.reason = (f"user error: the script failed before its first step in {s.prestep_failures} "
-                    f"generations in a row; last error: {fault.message}")
+        s.reason = (
+            f"user error: the script failed before its first step in {s.prestep_failures} "
+            f"generations in a row; last error: {fault.message}"
+        )
     elif s.no_progress_generations >= cfg.no_progress_generations:
         s.reason = f"no progress: {s.no_progress_generations} generations in a row without a new checkpoint"
     elif s.restarts >= cfg.max_restarts:
@@ -237,22 +372,47 @@ def _apply_policy(s: JobState, now: float, cfg: JobConfig, events: list[Event], 
         _goto(s, Phase.FAILED, now, events, s.reason)
 
 
-def _replace_and_restart(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig,
-                         events: list[Event], ckpt_step: int | None) -> None:
-    lost = sorted(set(_lost(s, obs, now, cfg)) | {n for n in s.assignment if s.pools.get(n) == Pool.FAULTY},
-                  key=lambda n: s.assignment[n])
+def _replace_and_restart(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    ckpt_step: int | None,
+) -> None:
+    lost = sorted(
+        set(_lost(s, obs, now, cfg)) | {n for n in s.assignment if s.pools.get(n) == Pool.FAULTY},
+        key=lambda n: s.assignment[n],
+    )
     for n in lost:
         if s.pools.get(n) not in (Pool.FAULTY, Pool.STANDBY):
             s.pools[n] = Pool.FAULTY
             s.faulty_incarnations[n] = s.gen_incarnations.get(n, "")
-            events.append(("pool_changed", {"node": n, "from": "running", "to": "faulty", "reason": "lost during generation"}))
+            events.append(
+                (
+                    "pool_changed",
+                    {
+                        "node": n,
+                        "from": "running",
+                        "to": "faulty",
+                        "reason": "lost during generation",
+                    },
+                )
+            )
     # Prefer standby nodes; a lost node that came back (fresh agent) is the last resort.
     spares = [n for n in _healthy_standby(s, obs, now, cfg) if n not in lost]
-    spares += [n for n in lost if s.pools.get(n) == Pool.STANDBY and n in obs and _alive(obs[n], now, cfg)]
+    spares += [
+        n for n in lost if s.pools.get(n) == Pool.STANDBY and n in obs and _alive(obs[n], now, cfg)
+    ]
     if len(spares) < len(lost):
         if s.phase != Phase.WAITING_FOR_NODES:
-            _goto(s, Phase.WAITING_FOR_NODES, now, events,
-                  f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby")
+            _goto(
+                s,
+                Phase.WAITING_FOR_NODES,
+                now,
+                events,
+                f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby",
+            )
         return
     for n, spare in zip(lost, spares, strict=False):
         rank = s.assignment.pop(n)
@@ -260,8 +420,17 @@ def _replace_and_restart(s: JobState, obs: dict[str, NodeObs], now: float, cfg: 
         s.pools[spare] = Pool.RUNNING
         if s.recovery is not None:
             s.recovery.replaced[n] = spare
-        events.append(("pool_changed", {"node": spare, "from": "standby", "to": "running",
-                                        "reason": f"takes node rank {rank} of {n}"}))
+        events.append(
+            (
+                "pool_changed",
+                {
+                    "node": spare,
+                    "from": "standby",
+                    "to": "running",
+                    "reason": f"takes node rank {rank} of {n}",
+                },
+            )
+        )
     s.assignment = dict(sorted(s.assignment.items(), key=lambda kv: kv[1]))
     if s.recovery is not None:
         s.recovery.t_replaced = now
@@ -269,7 +438,9 @@ def _replace_and_restart(s: JobState, obs: dict[str, NodeObs], now: float, cfg: 
     _start_generation(s, now, events, ckpt_step, f"restart {s.restarts} of {cfg.max_restarts}")
 
 
-def _start_generation(s: JobState, now: float, events: list[Event], ckpt_step: int | None, why: str) -> None:
+def _start_generation(
+    s: JobState, now: float, events: list[Event], ckpt_step: int | None, why: str
+) -> None:
     s.generation += 1
     s.master_port = None
     s.restore_step = ckpt_step
@@ -279,12 +450,18 @@ def _start_generation(s: JobState, now: float, events: list[Event], ckpt_step: i
     if s.recovery is not None:
         s.recovery.to_generation = s.generation
         s.recovery.restore_step = ckpt_step
-    events.append(("generation_started", {"generation": s.generation, "assignment": s.assignment,
-                                          "restore_step": ckpt_step}))
+    events.append(
+        (
+            "generation_started",
+            {"generation": s.generation, "assignment": s.assignment, "restore_step": ckpt_step},
+        )
+    )
     _goto(s, Phase.RENDEZVOUS, now, events, why)
 
 
-def desired_for(s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, Any]:
+def desired_for(
+    s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig
+) -> dict[str, Any]:
     """The state a node's agent must reach (level-triggered; the agent reconciles toward it)."""
     if s.phase.terminal:
         return {"action": "shutdown", "reason": s.reason, "phase": s.phase.value}

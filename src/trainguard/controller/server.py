@@ -44,7 +44,9 @@ def state_json(s: JobState) -> dict[str, Any]:
 class Controller:
     """One job's controller. Create, ``await start()``, then ``await wait_done(deadline)``."""
 
-    def __init__(self, cfg: JobConfig, token: str, store: Store, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, cfg: JobConfig, token: str, store: Store, *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
         self._token = f"Bearer {token}".encode()
         self.state = JobState(phase_since=time.time())
@@ -58,15 +60,31 @@ class Controller:
         self._marks: dict[str, dict[int, float]] = {}
         self._first_step_gen: set[int] = set()
         self._last_state = ""
-        store.put("config", {**dataclasses.asdict(cfg), "injects": [i.to_json() for i in cfg.injects]})
-        store.record("job_started", {"nodes": cfg.nodes, "standby": cfg.standby, "world_size": cfg.world_size,
-                                     "script": cfg.script, "args": list(cfg.script_args)})
+        store.put(
+            "config", {**dataclasses.asdict(cfg), "injects": [i.to_json() for i in cfg.injects]}
+        )
+        store.record(
+            "job_started",
+            {
+                "nodes": cfg.nodes,
+                "standby": cfg.standby,
+                "world_size": cfg.world_size,
+                "script": cfg.script,
+                "args": list(cfg.script_args),
+            },
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
         app = web.Application(middlewares=[self._auth], client_max_size=16 << 20)
-        app.add_routes([web.post("/v1/report", self._report), web.get("/v1/desired", self._get_desired),
-                        web.get("/v1/status", self._status), web.post("/v1/stop", self._stop)])
+        app.add_routes(
+            [
+                web.post("/v1/report", self._report),
+                web.get("/v1/desired", self._get_desired),
+                web.get("/v1/status", self._status),
+                web.post("/v1/stop", self._stop),
+            ]
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -95,7 +113,12 @@ class Controller:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         got = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(got, self._token):
-            log.warning("rejected unauthenticated %s %s from %s", request.method, request.path, request.remote)
+            log.warning(
+                "rejected unauthenticated %s %s from %s",
+                request.method,
+                request.path,
+                request.remote,
+            )
             return web.json_response({"error": "missing or wrong job token"}, status=401)
         return await handler(request)
 
@@ -134,10 +157,17 @@ class Controller:
         workers = {int(w["rank"]): WorkerObs(**w) for w in body.get("workers", [])}
         store = body.get("store")
         self.obs[node_id] = NodeObs(
-            node_id=node_id, addr=str(body["addr"]), incarnation=str(body["incarnation"]), last_seen=now,
-            generation=body.get("generation"), workers=workers, hang=bool(body.get("hang")),
-            stopped_generation=int(body.get("stopped_generation", -1)), stopped_at=body.get("stopped_at"),
-            cleaned_at=body.get("cleaned_at"), store=tuple(store) if store else None,  # type: ignore[arg-type]
+            node_id=node_id,
+            addr=str(body["addr"]),
+            incarnation=str(body["incarnation"]),
+            last_seen=now,
+            generation=body.get("generation"),
+            workers=workers,
+            hang=bool(body.get("hang")),
+            stopped_generation=int(body.get("stopped_generation", -1)),
+            stopped_at=body.get("stopped_at"),
+            cleaned_at=body.get("cleaned_at"),
+            store=tuple(store) if store else None,  # type: ignore[arg-type]
         )
         for ev in body.get("events", []):
             ev = {**ev, "node": node_id}
@@ -175,15 +205,23 @@ class Controller:
         if len(marks) < self.cfg.world_size:
             return
         self._first_step_gen.add(gen)
-        self.store.record("first_step", {"generation": gen, "step": first["step"], "t": max(marks.values())})
+        self.store.record(
+            "first_step", {"generation": gen, "step": first["step"], "t": max(marks.values())}
+        )
         rec = self.state.recovery
         if rec is not None and rec.to_generation == gen:
             rec.t_first_step = max(marks.values())
-            if rec.t_rendezvous is None:  # nothing restored: rendezvous ends when the first step starts
+            if (
+                rec.t_rendezvous is None
+            ):  # nothing restored: rendezvous ends when the first step starts
                 rec.t_rendezvous = rec.t_loaded = max(starts.values())
             self.store.record("recovery_completed", {"generation": gen, **rec.to_json()})
-            log.info("[gen %d] recovered in %.2fs: %s", gen, rec.durations()["total"] or -1,
-                     {k: round(v, 3) for k, v in rec.durations().items() if v is not None})
+            log.info(
+                "[gen %d] recovered in %.2fs: %s",
+                gen,
+                rec.durations()["total"] or -1,
+                {k: round(v, 3) for k, v in rec.durations().items() if v is not None},
+            )
             self.state.recoveries.append(rec)
             self.state.recovery = None
 
@@ -203,14 +241,25 @@ class Controller:
     def _tick(self) -> None:
         if self.state.phase.terminal and self._done.is_set():
             return
-        needs_ckpt = self.state.phase in (Phase.PENDING, Phase.STOPPING, Phase.CLEANING, Phase.REPLACING,
-                                          Phase.WAITING_FOR_NODES)
+        needs_ckpt = self.state.phase in (
+            Phase.PENDING,
+            Phase.STOPPING,
+            Phase.CLEANING,
+            Phase.REPLACING,
+            Phase.WAITING_FOR_NODES,
+        )
         ckpt = self._ckpt_step() if needs_ckpt else None
         new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
         for kind, data in events:
             self.store.record(kind, data)
             if kind == "phase":
-                log.info("[gen %s] %s → %s: %s", data["generation"], data["from"], data["to"], data["reason"])
+                log.info(
+                    "[gen %s] %s → %s: %s",
+                    data["generation"],
+                    data["from"],
+                    data["to"],
+                    data["reason"],
+                )
         if new.recovery is not None and self.state.recovery is None:
             self._marks.clear()
         self.state = new

@@ -42,8 +42,15 @@ class Store:
         row = {"ts": ts, "kind": kind, **data}
         self.db.execute(
             "INSERT INTO events (ts, kind, generation, node, rank, step, data) VALUES (?,?,?,?,?,?,?)",
-            (ts, kind, data.get("generation"), data.get("node"), data.get("rank"), data.get("step"),
-             json.dumps(data, default=str)),
+            (
+                ts,
+                kind,
+                data.get("generation"),
+                data.get("node"),
+                data.get("rank"),
+                data.get("step"),
+                json.dumps(data, default=str),
+            ),
         )
         self._jsonl.write(json.dumps(row, default=str) + "\n")
         return row
@@ -51,11 +58,24 @@ class Store:
     def add_steps(self, generation: int, rank: int, items: list[dict[str, Any]]) -> None:
         self.db.executemany(
             "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?)",
-            [(generation, rank, it["step"], it["t_end"], it["dur"], it.get("loss"), it.get("tokens")) for it in items],
+            [
+                (
+                    generation,
+                    rank,
+                    it["step"],
+                    it["t_end"],
+                    it["dur"],
+                    it.get("loss"),
+                    it.get("tokens"),
+                )
+                for it in items
+            ],
         )
 
     def put(self, key: str, value: Any) -> None:
-        self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value, default=str)))
+        self.db.execute(
+            "INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value, default=str))
+        )
 
     def close(self) -> None:
         self._jsonl.close()

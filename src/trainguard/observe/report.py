@@ -17,7 +17,16 @@ from rich.table import Table
 
 from trainguard.controller.store import open_readonly, read_events, read_kv
 
-PHASES = ("detect", "stop", "clean", "replace", "rendezvous", "load_checkpoint", "first_step", "total")
+PHASES = (
+    "detect",
+    "stop",
+    "clean",
+    "replace",
+    "rendezvous",
+    "load_checkpoint",
+    "first_step",
+    "total",
+)
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -28,18 +37,24 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         events = read_events(db)
         rows = db.execute(
             "SELECT step, duration_s, generation FROM steps s WHERE rank = 0 AND generation = "
-            "(SELECT MAX(generation) FROM steps t WHERE t.rank = 0 AND t.step = s.step) ORDER BY step").fetchall()
+            "(SELECT MAX(generation) FROM steps t WHERE t.rank = 0 AND t.step = s.step) ORDER BY step"
+        ).fetchall()
     finally:
         db.close()
     t0 = next((e["ts"] for e in events if e["kind"] == "job_started"), None)
-    t1 = next((e["ts"] for e in reversed(events) if e["kind"] == "job_ended"), events[-1]["ts"] if events else None)
+    t1 = next(
+        (e["ts"] for e in reversed(events) if e["kind"] == "job_ended"),
+        events[-1]["ts"] if events else None,
+    )
     wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
     productive = sum(d for _, d, _ in rows)
     recoveries = list(state.get("recoveries", []))
     if state.get("recovery"):
         recoveries.append(state["recovery"])
-    faults = [{k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
-              for r in recoveries]
+    faults = [
+        {k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
+        for r in recoveries
+    ]
     return {
         "run_dir": str(run_dir),
         "phase": state.get("phase"),
@@ -51,10 +66,20 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "productive_step_time_s": productive,
         "goodput": (productive / wall) if wall > 0 else 0.0,
         "faults": faults,
-        "recoveries": [{"fault": r["fault"]["cause"], "rank": r["fault"]["rank"], "node": r["fault"]["node_id"],
-                        "from_generation": r["from_generation"], "to_generation": r["to_generation"],
-                        "restore_step": r["restore_step"], "steps_lost": r["steps_lost"],
-                        "replaced": r.get("replaced", {}), "phases_s": r["durations_s"]} for r in recoveries],
+        "recoveries": [
+            {
+                "fault": r["fault"]["cause"],
+                "rank": r["fault"]["rank"],
+                "node": r["fault"]["node_id"],
+                "from_generation": r["from_generation"],
+                "to_generation": r["to_generation"],
+                "restore_step": r["restore_step"],
+                "steps_lost": r["steps_lost"],
+                "replaced": r.get("replaced", {}),
+                "phases_s": r["durations_s"],
+            }
+            for r in recoveries
+        ],
     }
 
 
@@ -70,22 +95,34 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     con = Console()
     con.print(f"[bold]trainguard report[/] {rep['run_dir']}")
     con.print(f"job: {rep['phase']}  {rep['reason']}")
-    con.print(f"steps completed: {len(rep['steps_completed'])} (last {rep['last_step']}) in {rep['generations']} "
-              f"generation(s); wall time {rep['wall_time_s']:.1f}s; productive step time "
-              f"{rep['productive_step_time_s']:.1f}s; goodput (ETTR) {rep['goodput']:.1%}")
+    con.print(
+        f"steps completed: {len(rep['steps_completed'])} (last {rep['last_step']}) in {rep['generations']} "
+        f"generation(s); wall time {rep['wall_time_s']:.1f}s; productive step time "
+        f"{rep['productive_step_time_s']:.1f}s; goodput (ETTR) {rep['goodput']:.1%}"
+    )
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
         faults.add_column(col)
     for f in rep["faults"]:
-        faults.add_row(str(f["generation"]), f["cause"], str(f["rank"]), str(f["node_id"]), str(f["step"]),
-                       (f["message"] or "").splitlines()[0][:80])
+        faults.add_row(
+            str(f["generation"]),
+            f["cause"],
+            str(f["rank"]),
+            str(f["node_id"]),
+            str(f["step"]),
+            (f["message"] or "").splitlines()[0][:80],
+        )
     con.print(faults)
     rec = Table(title=f"recoveries: {len(rep['recoveries'])} (seconds per phase)")
     for col in ("gen", "restore", "lost", *PHASES):
         rec.add_column(col, justify="right")
     for r in rep["recoveries"]:
-        rec.add_row(f"{r['from_generation']}→{r['to_generation']}", str(r["restore_step"]), str(r["steps_lost"]),
-                    *(_fmt(r["phases_s"].get(p)) for p in PHASES))
+        rec.add_row(
+            f"{r['from_generation']}→{r['to_generation']}",
+            str(r["restore_step"]),
+            str(r["steps_lost"]),
+            *(_fmt(r["phases_s"].get(p)) for p in PHASES),
+        )
     con.print(rec)
     return 0
 
@@ -105,8 +142,16 @@ def print_events(run_dir: Path, *, as_json: bool) -> int:
         table.add_column(col)
     t0 = events[0]["ts"] if events else 0.0
     for e in events:
-        detail = {k: v for k, v in e.items() if k not in ("ts", "kind", "generation", "node", "rank")}
-        table.add_row(f"+{e['ts'] - t0:.3f}", e["kind"], str(e.get("generation", "")), str(e.get("node", "")),
-                      str(e.get("rank", "")), json.dumps(detail, default=str)[:100])
+        detail = {
+            k: v for k, v in e.items() if k not in ("ts", "kind", "generation", "node", "rank")
+        }
+        table.add_row(
+            f"+{e['ts'] - t0:.3f}",
+            e["kind"],
+            str(e.get("generation", "")),
+            str(e.get("node", "")),
+            str(e.get("rank", "")),
+            json.dumps(detail, default=str)[:100],
+        )
     Console().print(table)
     return 0

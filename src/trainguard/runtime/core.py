@@ -15,6 +15,7 @@ records to the node agent over UDP; the training thread only appends to a queue.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -49,7 +50,9 @@ class Runtime:
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
         self.node_rank = int(env.get("GROUP_RANK", "0"))
-        self.generation = int(env.get(api.ENV_GENERATION, env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        self.generation = int(
+            env.get(api.ENV_GENERATION, env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        )
         self.run_dir: str | None = env.get(api.ENV_RUN_DIR) or None
         restore = env.get(api.ENV_RESTORE_STEP, "")
         self.restore_step: int | None = int(restore) if restore else None
@@ -70,7 +73,9 @@ class Runtime:
             self._agent = (host, int(port))
             self._token = bytes.fromhex(env.get(api.ENV_TOKEN, ""))
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._thread = threading.Thread(target=self._report_loop, name="trainguard-reporter", daemon=True)
+            self._thread = threading.Thread(
+                target=self._report_loop, name="trainguard-reporter", daemon=True
+            )
             self._thread.start()
 
     @property
@@ -96,7 +101,14 @@ class Runtime:
         self._last_step = step
         if self._agent is not None:
             self._queue.put(
-                {"t": "step", "step": step, "t_end": now, "dur": duration, "loss": loss, "tokens": tokens}
+                {
+                    "t": "step",
+                    "step": step,
+                    "t_end": now,
+                    "dur": duration,
+                    "loss": loss,
+                    "tokens": tokens,
+                }
             )
         for spec in self._injects:
             self._maybe_fire(spec, step, duration)
@@ -122,7 +134,15 @@ class Runtime:
             return
         # Delivered synchronously: on loopback the datagram sits in the agent's socket
         # buffer before the fault below happens, so the agent learns it fired.
-        self._send_now({"t": "event", "kind": "inject_fired", "ts": time.time(), "inject": spec.to_json(), "step": step})
+        self._send_now(
+            {
+                "t": "event",
+                "kind": "inject_fired",
+                "ts": time.time(),
+                "inject": spec.to_json(),
+                "step": step,
+            }
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         if spec.kind == "kill":
@@ -152,10 +172,9 @@ class Runtime:
             if time.monotonic() >= next_beat:
                 batch.append({"t": "hb", "ts": time.time(), "step": self._last_step})
                 next_beat = time.monotonic() + self._heartbeat_s
-            try:
+            # Agent gone: heartbeats resume if it returns; nothing is lost here.
+            with contextlib.suppress(OSError):
                 self._send_now({"t": "batch", "items": batch})
-            except OSError:
-                pass  # agent gone: heartbeats resume if it returns; nothing to save here
 
     def close(self) -> None:
         """Stop the reporter thread (joined with a 2 s deadline)."""
