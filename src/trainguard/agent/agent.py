@@ -99,7 +99,9 @@ class Agent:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.report_port = self._sock.getsockname()[1]
         self._spare_log = open(cfg.run_dir / "logs" / f"spares.{cfg.node_id}.log", "ab")  # noqa: SIM115
-        self.spares = wk.SparePool(self._base_env(), self._spare_log)
+        # Spares carry the run dir so that every process of a job can be attributed to it.
+        spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
+        self.spares = wk.SparePool(spare_env, self._spare_log)
 
     # ------------------------------------------------------------------ environment
     def _base_env(self) -> dict[str, str]:
@@ -371,6 +373,8 @@ class Agent:
                     )
             elif kind == "event":
                 ev = {k: v for k, v in it.items() if k not in ("t", "rank", "pid", "gen")}
+                if ev.get("kind") == "inject_fired" and (w.step is None or ev["step"] > w.step):
+                    w.step = int(ev["step"])  # the step it completed; its record may not have left
                 self._event(ev.pop("kind"), generation=self.generation, rank=w.rank, **ev)
                 if ev.get("inject", {}).get("kind") == "node-down":
                     self._power_off()

@@ -190,31 +190,42 @@ def clean_descendants(keep: set[int]) -> list[int]:
     return killed
 
 
-def dump_stacks(pids: dict[int, int], *, timeout_s: float = 10.0) -> dict[int, str]:
-    """``py-spy dump`` of each process (rank → pid), run in parallel with one deadline.
+def _py_spy(exe: str, pid: int, deadline: float) -> str:
+    """One process's stack: a normal dump (suspends it briefly, consistent), else — for a
+    stopped process, which py-spy cannot suspend — non-blocking reads, retried because a
+    read can race with the running interpreter."""
+    text = "no stack: py-spy did not answer in time"
+    for flags in ([], ["--nonblocking"], ["--nonblocking"], ["--nonblocking"]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            res = subprocess.run(
+                [exe, "dump", *flags, "--pid", str(pid)], capture_output=True, timeout=left
+            )
+        except subprocess.TimeoutExpired:
+            break
+        text = (res.stdout + res.stderr).decode(errors="replace")
+        if res.returncode == 0 and "Thread" in text:
+            return text
+    return text
 
-    Returns rank → stack text (or the reason there is none: py-spy missing, timeout,
-    permission). Never raises.
+
+def dump_stacks(pids: dict[int, int], *, timeout_s: float = 10.0) -> dict[int, str]:
+    """py-spy stack dumps of each process (rank → pid), in parallel, within one deadline.
+
+    Returns rank → stack text (or why there is none: py-spy missing, timeout, process
+    gone). Never raises.
     """
+    import concurrent.futures
     import shutil
 
     exe = shutil.which("py-spy")
     if exe is None:
         return {r: "no stack: py-spy is not installed (pip install py-spy)" for r in pids}
-    procs = {
-        r: subprocess.Popen(
-            [exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        for r, pid in pids.items()
-    }
     deadline = time.monotonic() + timeout_s
-    out: dict[int, str] = {}
-    for r, p in procs.items():
-        try:
-            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            out[r] = text.decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            out[r] = f"no stack: py-spy did not answer within {timeout_s}s"
-    return out
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, len(pids)), thread_name_prefix="py-spy"
+    ) as ex:
+        futures = {r: ex.submit(_py_spy, exe, pid, deadline) for r, pid in pids.items()}
+        return {r: f.result() for r, f in futures.items()}

@@ -229,5 +229,11 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + sig if sig else 1
+    last = state.recoveries[-1].fault if state.recoveries else None
+    if last is not None and "\n" in last.message:
+        print(
+            f"trainguard: last error (rank {last.rank}, node {last.node_id}):\n{last.message}",
+            file=sys.stderr,
+        )
     print(f"trainguard: job failed: {state.reason}", file=sys.stderr)
     return 1

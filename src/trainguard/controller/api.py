@@ -68,6 +68,9 @@ class JobConfig:
     first_step_timeout_s: float = 600.0  # allowance for the first step of a generation
     heartbeat_s: float = 0.5  # agent → controller and runtime → agent period
     node_timeout_s: float = 10.0  # missing agent heartbeats for this long = node lost
+    join_timeout_s: float = (
+        30.0  # at start, wait this long for nodes + standby before starting with fewer
+    )
     rendezvous_timeout_s: float = 120.0  # from generation start to every rank running
     stop_grace_s: float = 15.0  # SIGTERM → SIGKILL on a user stop (workers may save)
     fault_stop_grace_s: float = 1.0  # SIGTERM → SIGKILL when stopping a faulted generation

@@ -119,6 +119,12 @@ def _update_pools(
             s.incarnations[node_id] = o.incarnation
 
 
+def _last_line(text: str) -> str:
+    """The most telling line of an error: its exception line (the traceback's last)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
 def _victim(error: str | None) -> bool:
     return error is not None and any(p in error for p in _PEER_LOSS)
 
@@ -276,13 +282,18 @@ def decide(
         return s, events
 
     if s.phase == Phase.PENDING:
-        healthy = _healthy_standby(s, obs, now, cfg)
-        if len(healthy) >= cfg.nodes:
-            first = sorted(healthy, key=lambda n: (len(n), n))[
-                : cfg.nodes
-            ]  # node0, node1, … in name order
-            s.assignment = {n: i for i, n in enumerate(first)}
-            _start_generation(s, now, events, ckpt_step, "all nodes joined")
+        # Start once the whole pool joined (or, after join_timeout_s, with enough nodes);
+        # node ranks follow node names, so node0 is node rank 0 when it is there.
+        healthy = sorted(_healthy_standby(s, obs, now, cfg), key=lambda n: (len(n), n))
+        everyone = len(healthy) >= cfg.nodes + cfg.standby
+        if everyone or (len(healthy) >= cfg.nodes and now - s.phase_since > cfg.join_timeout_s):
+            s.assignment = {n: i for i, n in enumerate(healthy[: cfg.nodes])}
+            why = (
+                "all nodes joined"
+                if everyone
+                else f"{len(healthy)} nodes joined in {cfg.join_timeout_s}s"
+            )
+            _start_generation(s, now, events, ckpt_step, why)
 
     elif s.phase in _ACTIVE_GEN:
         master = next(n for n, r in s.assignment.items() if r == 0)
@@ -331,6 +342,7 @@ def decide(
             s.reason = "stopped by request"
             _goto(s, Phase.STOPPED, now, events, s.reason)
         else:
+            _blame_lost_node(s, obs, now, cfg, events)
             _goto(
                 s, Phase.REPLACING, now, events, "workers stopped, processes and segments cleaned"
             )
@@ -339,6 +351,19 @@ def decide(
     if s.phase in (Phase.REPLACING, Phase.WAITING_FOR_NODES):
         _replace_and_restart(s, obs, now, cfg, events, ckpt_step)
     return s, events
+
+
+def _blame_lost_node(
+    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+) -> None:
+    """A fault first seen as a victim's peer-loss error was a node loss if a node is gone now."""
+    assert s.recovery is not None
+    fault = s.recovery.fault
+    lost = _lost(s, obs, now, cfg)
+    if fault.cause != "node_lost" and lost and _victim(fault.message):
+        fault.cause, fault.node_id, fault.rank = "node_lost", lost[0], None
+        fault.message = f"node {lost[0]} lost; first seen as: {fault.message}"
+        events.append(("fault_refined", fault.to_json()))
 
 
 def _apply_policy(
@@ -360,7 +385,7 @@ def _apply_policy(
     if s.prestep_failures >= cfg.user_error_generations:
         s.reason = (
             f"user error: the script failed before its first step in {s.prestep_failures} "
-            f"generations in a row; last error: {fault.message}"
+            f"generations in a row; last error: {_last_line(fault.message)}"
         )
     elif s.no_progress_generations >= cfg.no_progress_generations:
         s.reason = f"no progress: {s.no_progress_generations} generations in a row without a new checkpoint"
@@ -467,8 +492,8 @@ def desired_for(
         return {"action": "shutdown", "reason": s.reason, "phase": s.phase.value}
     rank = s.assignment.get(node_id)
     idle = {"action": "idle", "nproc_per_node": cfg.nproc_per_node}
-    if rank is None:
-        return idle
+    if rank is None or _rebooted(s, node_id, obs):
+        return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
         grace = cfg.fault_stop_grace_s if s.recovery is not None else cfg.stop_grace_s
         return {"action": "stop", "generation": s.generation, "grace_s": grace}

@@ -1,0 +1,455 @@
+"""Recovery time of trainguard vs ``torchrun --max-restarts``, same job, same fault, one run.
+
+What is measured: seconds from the fault (a worker SIGKILLed at the end of a step)
+to the end of the first resumed step on all ranks, i.e. detect + stop + restart +
+reload the checkpoint + redo one step. Both sides train the GPT of ``examples/gpt``
+with identical flags, world size 2, a checkpoint after every step, and lose rank 1
+at the end of step ``--kill-step`` (after the step's all-reduce, before its
+checkpoint), so both resume from step ``kill_step - 1`` and redo step ``kill_step``.
+
+- trainguard: ``python -m trainguard run --nodes 2 --inject kill:rank=1:step=S
+  examples/gpt/train.py --ckpt-every 1 ...`` (1 worker per simulated node, DCP
+  checkpoints via ``trainguard.Checkpointer``). The fault instant is the
+  ``inject_fired`` event (the worker's ``time.time()`` just before it SIGKILLs
+  itself); the end is the controller's ``first_step`` mark of the new generation
+  (latest end of the first step over ranks). ``trainguard report`` measures its
+  ``total`` from when the agent *saw* the exit, a few tens of ms later; both are
+  reported, the first is ``trainguard_s``.
+- torchrun: ``python -m torch.distributed.run --standalone --nnodes 1
+  --nproc-per-node 2 --max-restarts 1 benchmarks/torchrun_train.py ...``: the same
+  model and loop checkpointing with ``torch.save`` / ``torch.load`` (see that file).
+  The fault instant is the ``time.time()`` rank 1 writes just before SIGKILLing
+  itself; the end is the latest, over ranks, wall time at the end of the first
+  step after the restart. ``--monitor-interval`` is torchrun's default (0.1 s).
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set for torchrun: with the shared
+  rendezvous store (the default) a restarted group can read the previous attempt's
+  gloo addresses and fail to connect (pytorch/pytorch#135712; seen here about one
+  restart in three).
+
+Each repeat runs both sides, alternating which goes first; the result is the
+median of each side and ``ratio = trainguard_s / torchrun_s`` (target: ratio <= 0.5
+and trainguard_s < 5 s for the default sizes on a 2-core machine). Everything
+runs in a temporary directory that is removed at the end; every launch has a
+timeout after which its whole process tree is killed, and any process left
+behind by a launch (found by an environment marker) is killed and reported.
+
+Run from the repository root::
+
+    python benchmarks/recovery.py                  # table, 3 repeats
+    python benchmarks/recovery.py --json           # one JSON object
+    python benchmarks/recovery.py --n-embd 512 --n-layer 8 --kill-step 3 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "gpt" / "train.py"
+BASELINE = Path(__file__).resolve().parent / "torchrun_train.py"
+PHASES = (
+    "detect",
+    "stop",
+    "clean",
+    "replace",
+    "rendezvous",
+    "load_checkpoint",
+    "first_step",
+    "total",
+)
+MARKER_ENV = "TRAINGUARD_BENCH_MARKER"
+TARGET_RATIO = 0.5
+TARGET_TRAINGUARD_S = 5.0
+KILL_RANK = 1
+WORLD = 2
+
+
+class BenchError(RuntimeError):
+    """A launch failed, timed out, or did not recover as expected."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument(
+        "--kill-step", type=int, default=5, help="rank 1 is killed at the end of this step"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps in total (default: kill step + 1)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side (median reported)")
+    p.add_argument(
+        "--monitor-interval",
+        type=float,
+        default=0.1,
+        help="torchrun --monitor-interval in seconds (default 0.1, torchrun's own default)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds per launch before it is killed"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--check", action="store_true", help="exit 1 when the target is not met")
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = args.kill_step + 1
+    if args.kill_step < 2 or args.steps <= args.kill_step:
+        p.error("--kill-step must be >= 2 (a checkpoint must exist) and --steps > --kill-step")
+    if args.repeats < 1 or args.timeout <= 0 or args.monitor_interval <= 0:
+        p.error("--repeats must be >= 1, --timeout and --monitor-interval > 0")
+    return args
+
+
+# ---------------------------------------------------------------------- processes
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` and every descendant it has now."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    for p in [*family]:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
+
+
+def _sweep(marker: str) -> int:
+    """SIGKILL processes started by this benchmark that outlived their launch; return how many."""
+    me = os.getpid()
+    found: list[psutil.Process] = []
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(MARKER_ENV) == marker:
+                found.append(p)
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(found, timeout=5.0)
+    return len(found)
+
+
+def _run(cmd: list[str], *, env: dict[str, str], log: Path, timeout: float) -> int:
+    """Run ``cmd`` with output to ``log``; kill its process tree after ``timeout`` seconds."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}") from None
+        except BaseException:
+            _kill_tree(proc)
+            raise
+
+
+def _capture(cmd: list[str], *, env: dict[str, str], timeout: float) -> str:
+    try:
+        res = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}") from None
+    if res.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+    return res.stdout
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# ---------------------------------------------------------------------- the two sides
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--steps",
+        str(args.steps),
+        "--ckpt-every",
+        "1",
+        "--n-layer",
+        str(args.n_layer),
+        "--n-head",
+        str(args.n_head),
+        "--n-embd",
+        str(args.n_embd),
+        "--block-size",
+        str(args.block_size),
+        "--batch-size",
+        str(args.batch_size),
+    ]
+
+
+def run_trainguard(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    run_dir = work / "run"
+    log = work / "launcher.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainguard",
+        "run",
+        "--nodes",
+        str(WORLD),
+        "--nproc-per-node",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--inject",
+        f"kill:rank={KILL_RANK}:step={args.kill_step}",
+        str(EXAMPLE),
+        *_model_flags(args),
+    ]
+    rc = _run(cmd, env=env, log=log, timeout=args.timeout)
+    if rc != 0:
+        ranks = "".join(
+            f"\n--- {f.name}\n{_tail(f, 1500)}"
+            for f in sorted((run_dir / "logs").glob("rank*.log"))
+        )
+        raise BenchError(f"trainguard run exited {rc}:\n{_tail(log)}{ranks}")
+    tg = [sys.executable, "-m", "trainguard"]
+    report = json.loads(
+        _capture([*tg, "report", "--run-dir", str(run_dir), "--json"], env=env, timeout=60.0)
+    )
+    events = [
+        json.loads(line)
+        for line in _capture(
+            [*tg, "events", "--run-dir", str(run_dir), "--json"], env=env, timeout=60.0
+        ).splitlines()
+        if line.strip()
+    ]
+    recs = report["recoveries"]
+    if str(report["phase"]).lower() != "succeeded" or len(recs) != 1:
+        raise BenchError(
+            f"trainguard: expected a succeeded job with 1 recovery, got phase={report['phase']} "
+            f"recoveries={len(recs)}:\n{_tail(log)}"
+        )
+    rec = recs[0]
+    if rec["restore_step"] != args.kill_step - 1:
+        raise BenchError(
+            f"trainguard resumed from step {rec['restore_step']}, expected {args.kill_step - 1}"
+        )
+    fired = [e["ts"] for e in events if e["kind"] == "inject_fired"]
+    done = [e for e in events if e["kind"] == "recovery_completed"]
+    if len(fired) != 1 or len(done) != 1 or done[0].get("t_first_step") is None:
+        raise BenchError("trainguard: events lack one inject_fired and one recovery_completed")
+    t_fault, t_first = float(fired[0]), float(done[0]["t_first_step"])
+    ckpts = sorted(
+        (d for d in (run_dir / "checkpoints").glob("step_*") if d.is_dir()),
+        key=lambda d: int(d.name.removeprefix("step_")),
+    )
+    return {
+        "seconds": t_first - t_fault,
+        "report_total_s": float(rec["phases_s"]["total"]),
+        "exit_seen_s": float(done[0]["fault"]["t_fault"]) - t_fault,
+        "phases_s": rec["phases_s"],
+        "state_bytes": _dir_bytes(ckpts[-1]) if ckpts else 0,
+    }
+
+
+def run_torchrun(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    ckpt, timing, logs = work / "ckpt", work / "timing", work / "logs"
+    for d in (timing, logs):
+        d.mkdir(parents=True)
+    log = work / "launcher.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(WORLD),
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        str(args.monitor_interval),
+        "--log-dir",
+        str(logs),
+        str(BASELINE),
+        *_model_flags(args),
+        "--ckpt-dir",
+        str(ckpt),
+        "--timing-dir",
+        str(timing),
+        "--kill-rank",
+        str(KILL_RANK),
+        "--kill-step",
+        str(args.kill_step),
+    ]
+    # Without this, a restarted worker group reuses the agent's TCPStore and gloo may
+    # read the previous attempt's peer addresses (connectFullMesh: Connection refused);
+    # see pytorch/pytorch#135712. Opting out is the upstream workaround.
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    rc = _run(cmd, env=env, log=log, timeout=args.timeout)
+    if rc != 0:
+        raise BenchError(f"torchrun exited {rc}:\n{_tail(log)}")
+    try:
+        fault = json.loads((timing / "fault").read_text())
+        firsts = [json.loads((timing / f"first_step.{r}").read_text()) for r in range(WORLD)]
+    except (OSError, ValueError) as e:
+        raise BenchError(f"torchrun: missing timing files ({e}):\n{_tail(log)}") from None
+    for f in firsts:
+        if f["restored"] != args.kill_step - 1 or f["step"] != args.kill_step:
+            raise BenchError(f"torchrun resumed wrongly: {f}, expected step {args.kill_step}")
+    return {
+        "seconds": max(float(f["t"]) for f in firsts) - float(fault["t"]),
+        "state_bytes": _dir_bytes(ckpt),
+    }
+
+
+# ---------------------------------------------------------------------- main
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    marker = uuid.uuid4().hex
+    load_before = os.getloadavg()[0]
+    tg_runs: list[dict[str, Any]] = []
+    tr_runs: list[dict[str, Any]] = []
+    leaked = 0
+    with tempfile.TemporaryDirectory(prefix="trainguard-bench-") as tmp:
+        root = Path(tmp)
+        (root / "tmp").mkdir()
+        env = {**os.environ, MARKER_ENV: marker, "TMPDIR": str(root / "tmp")}
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p
+        )
+        try:
+            for i in range(args.repeats):
+                sides = [("trainguard", run_trainguard), ("torchrun", run_torchrun)]
+                if i % 2:
+                    sides.reverse()
+                for name, fn in sides:
+                    work = root / f"{name}.{i}"
+                    work.mkdir()
+                    t0 = time.monotonic()
+                    res = fn(args, work, env)
+                    res["launch_wall_s"] = time.monotonic() - t0
+                    (tg_runs if name == "trainguard" else tr_runs).append(res)
+                    leaked += _sweep(marker)
+                    if not args.json:
+                        print(
+                            f"  repeat {i + 1}/{args.repeats} {name:<10} "
+                            f"{res['seconds']:6.2f} s  (launch {res['launch_wall_s']:.1f} s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        finally:
+            leaked += _sweep(marker)
+    tg_s = statistics.median(r["seconds"] for r in tg_runs)
+    tr_s = statistics.median(r["seconds"] for r in tr_runs)
+    phases = {p: statistics.median(float(r["phases_s"][p] or 0.0) for r in tg_runs) for p in PHASES}
+    ratio = tg_s / tr_s if tr_s > 0 else float("inf")
+    return {
+        "trainguard_s": tg_s,
+        "torchrun_s": tr_s,
+        "ratio": ratio,
+        "target_met": ratio <= TARGET_RATIO and tg_s < TARGET_TRAINGUARD_S,
+        "target": {"ratio_max": TARGET_RATIO, "trainguard_s_max": TARGET_TRAINGUARD_S},
+        "trainguard_runs_s": [r["seconds"] for r in tg_runs],
+        "torchrun_runs_s": [r["seconds"] for r in tr_runs],
+        "trainguard_report_total_s": statistics.median(r["report_total_s"] for r in tg_runs),
+        "trainguard_exit_seen_s": statistics.median(r["exit_seen_s"] for r in tg_runs),
+        "trainguard_phases_s": phases,
+        "trainguard_runs_phases_s": [r["phases_s"] for r in tg_runs],
+        "state_bytes": {
+            "trainguard_dcp": tg_runs[-1]["state_bytes"],
+            "torchrun_torch_save": tr_runs[-1]["state_bytes"],
+        },
+        "leaked_processes_killed": leaked,
+        "config": {
+            "world_size": WORLD,
+            "n_layer": args.n_layer,
+            "n_head": args.n_head,
+            "n_embd": args.n_embd,
+            "block_size": args.block_size,
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "kill_rank": KILL_RANK,
+            "kill_step": args.kill_step,
+            "ckpt_every": 1,
+            "repeats": args.repeats,
+            "torchrun_monitor_interval_s": args.monitor_interval,
+            "cpus": os.cpu_count(),
+            "loadavg_1min_before": load_before,
+        },
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    c = r["config"]
+    mb = {k: v / 1e6 for k, v in r["state_bytes"].items()}
+    print(
+        f"recovery: GPT n_layer={c['n_layer']} n_embd={c['n_embd']} batch={c['batch_size']}x"
+        f"{c['block_size']}, world {c['world_size']}, rank {c['kill_rank']} SIGKILLed at step "
+        f"{c['kill_step']}, checkpoint every step; state {mb['trainguard_dcp']:.1f} MB (DCP) / "
+        f"{mb['torchrun_torch_save']:.1f} MB (torch.save); {c['cpus']} CPUs"
+    )
+    print("fault -> end of first resumed step on all ranks, seconds")
+    print(f"{'run':>6}  {'trainguard':>10}  {'torchrun':>8}  {'ratio':>6}")
+    for i, (a, b) in enumerate(zip(r["trainguard_runs_s"], r["torchrun_runs_s"], strict=True)):
+        print(f"{i + 1:>6}  {a:>10.2f}  {b:>8.2f}  {a / b:>6.2f}")
+    print(f"{'median':>6}  {r['trainguard_s']:>10.2f}  {r['torchrun_s']:>8.2f}  {r['ratio']:>6.2f}")
+    ph = r["trainguard_phases_s"]
+    print(
+        "trainguard phases (median s): kill->exit seen "
+        f"{r['trainguard_exit_seen_s']:.3f}, " + ", ".join(f"{p} {ph[p]:.3f}" for p in PHASES)
+    )
+    t = r["target"]
+    print(
+        f"target ratio <= {t['ratio_max']} and trainguard < {t['trainguard_s_max']:.0f} s: "
+        f"{'met' if r['target_met'] else 'NOT met'} "
+        f"(torchrun --monitor-interval {c['torchrun_monitor_interval_s']} s)"
+    )
+    if c["loadavg_1min_before"] > 0.5:
+        print(
+            f"warning: 1-min load average was {c['loadavg_1min_before']:.2f} before the run; "
+            "other work on the machine skews both sides"
+        )
+    if r["leaked_processes_killed"]:
+        print(f"warning: killed {r['leaked_processes_killed']} leftover process(es)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = bench(args)
+    except BenchError as e:
+        print(f"recovery benchmark: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 1 if args.check and not result["target_met"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

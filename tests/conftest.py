@@ -1,0 +1,173 @@
+"""Shared fixtures: run trainguard for real and check that a test leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt" / "train.py"
+# A GPT small enough for a 2-core machine: ~10-20 ms per step with 2 ranks.
+TINY = [
+    "--n-embd",
+    "32",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--data-max-bytes",
+    "200000",
+    "--dropout",
+    "0.1",
+]
+# Short timeouts so faults are seen in seconds (JobConfig fields, see controller/api.py).
+FAST_CONFIG = """
+heartbeat_s = 0.2
+node_timeout_s = 3.0
+reboot_delay_s = 1.0
+fault_stop_grace_s = 1.0
+stop_grace_s = 10.0
+"""
+
+
+def _ours(p: psutil.Process, tag: str) -> bool:
+    """A process of this test: its command line or environment names the test's tmp dir."""
+    try:
+        return tag in " ".join(p.cmdline()) or any(tag in v for v in p.environ().values())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(tmp_path: Path) -> Iterator[None]:
+    """Fail a test that leaves a process, zombie or /dev/shm segment of its own behind."""
+    tag = str(tmp_path)
+    me = psutil.Process()
+    mine = {me.pid, *(p.pid for p in me.parents())}
+    shm_before = set(os.listdir("/dev/shm"))
+    yield
+    deadline = time.monotonic() + 15.0
+    leaked: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        leaked = [p for p in psutil.process_iter() if p.pid not in mine and _ours(p, tag)]
+        if not leaked:
+            break
+        time.sleep(0.2)
+    for p in leaked:  # clean up so one leak does not fail the next test too
+        try:
+            os.killpg(p.pid, 9) if os.getpgid(p.pid) == p.pid else p.kill()
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
+    zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
+    new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before if "trainguard" in n]
+    assert not leaked, (
+        f"processes left behind: {[(p.pid, p.cmdline()) for p in leaked if p.is_running()]}"
+    )
+    assert not zombies, f"zombies left behind: {zombies}"
+    assert not new_shm, f"/dev/shm segments left behind: {new_shm}"
+
+
+def trainguard_cmd(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "trainguard", *map(str, args)]
+
+
+def run_job(
+    run_dir: Path,
+    run_args: list[str],
+    script_args: list[str],
+    *,
+    timeout: float = 240.0,
+    config: str = FAST_CONFIG,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``trainguard run`` to completion (killed at ``timeout``) and return its result."""
+    cfg = run_dir.parent / f"{run_dir.name}.toml"
+    cfg.write_text(config)
+    cmd = trainguard_cmd("run", "--run-dir", run_dir, "--config", cfg, *run_args, GPT, *script_args)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def start_job(
+    run_dir: Path, run_args: list[str], script_args: list[str], *, config: str = FAST_CONFIG
+) -> subprocess.Popen[str]:
+    cfg = run_dir.parent / f"{run_dir.name}.toml"
+    cfg.write_text(config)
+    cmd = trainguard_cmd("run", "--run-dir", run_dir, "--config", cfg, *run_args, GPT, *script_args)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            pass
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step loss from metrics.jsonl; after a restart the last line for a step counts."""
+    out: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def worker_pid(run_dir: Path, rank: int, generation: int = 0) -> int:
+    ev = wait_for(
+        lambda: [
+            e
+            for e in events(run_dir)
+            if e["kind"] == "worker_started" and e["rank"] == rank and e["generation"] == generation
+        ],
+        60,
+        f"rank {rank} to start",
+    )
+    return int(ev[-1]["pid"])
+
+
+def reached_step(run_dir: Path, step: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(
+        json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x.strip()
+    )
+
+
+def report(run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        trainguard_cmd("report", "--run-dir", run_dir, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(out.stdout)

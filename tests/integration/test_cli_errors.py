@@ -1,0 +1,61 @@
+"""Bad input gets one line naming the problem and the fix, exit 2, before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GPT, trainguard_cmd
+
+
+def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(trainguard_cmd(*args), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "no/such/script.py"], "script 'no/such/script.py' not found"),
+        (
+            ["run", "--inject", "kill:rank=1", str(GPT)],
+            "--inject 'kill:rank=1': kill takes kill:rank=…:step=…",
+        ),
+        (["run", "--inject", "melt:rank=1:step=2", str(GPT)], "unknown kind 'melt'"),
+        (["run", "--nodes", "0", str(GPT)], "--nodes 0: a job needs at least 1 node"),
+        (
+            ["run", "--nodes", "2", "--inject", "kill:rank=5:step=1", str(GPT)],
+            "rank out of range 0..1",
+        ),
+        (["run", "--hang-timeout", "-1", str(GPT)], "--hang-timeout -1.0"),
+    ],
+)
+def test_bad_flags(tmp_path: Path, args: list[str], needle: str) -> None:
+    run_dir = tmp_path / "run"
+    res = _run(*args[:1], "--run-dir", str(run_dir), *args[1:])
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), res.stderr
+    assert needle in lines[0]
+    assert not run_dir.exists()  # nothing started, nothing written
+
+
+def test_unwritable_run_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a directory should be")
+    res = _run("run", "--run-dir", str(blocker / "run"), str(GPT))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"trainguard: error: run dir {blocker / 'run'} is not writable (Not a directory); "
+        "pass --run-dir to a writable place"
+    ]
+
+
+def test_bad_config_file_and_report_of_nothing(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("hang_timeot_s = 3\n")
+    res = _run("run", "--run-dir", str(tmp_path / "r"), "--config", str(cfg), str(GPT))
+    assert res.returncode == 2 and "unknown field(s) hang_timeot_s" in res.stderr
+    res = _run("report", "--run-dir", str(tmp_path))
+    assert res.returncode == 2 and "no trainguard store here" in res.stderr

@@ -1,0 +1,42 @@
+"""The example resumes exactly: with a worker SIGKILLed mid-run, every step's loss
+equals the fault-free run's, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import TINY, losses, report, run_job
+
+STEPS = 40
+
+
+def test_kill_mid_run_gives_the_same_losses_as_no_fault(tmp_path: Path) -> None:
+    args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5"]
+    clean = run_job(tmp_path / "clean", ["--nodes", "2"], args)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    faulty = run_job(tmp_path / "faulty", ["--nodes", "2", "--inject", "kill:rank=1:step=23"], args)
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+
+    want, got = losses(tmp_path / "clean"), losses(tmp_path / "faulty")
+    assert sorted(want) == sorted(got) == list(range(1, STEPS + 1))
+    assert got == want  # exact float equality, step for step
+
+    rep = report(tmp_path / "faulty")
+    assert rep["phase"] == "SUCCEEDED" and rep["last_step"] == STEPS
+    assert [(f["cause"], f["rank"], f["step"]) for f in rep["faults"]] == [("worker_crash", 1, 23)]
+    (rec,) = rep["recoveries"]
+    assert rec["restore_step"] == 20 and rec["steps_lost"] == 3
+    phases = rec["phases_s"]
+    for name in (
+        "detect",
+        "stop",
+        "clean",
+        "replace",
+        "rendezvous",
+        "load_checkpoint",
+        "first_step",
+        "total",
+    ):
+        assert phases[name] is not None and phases[name] >= 0, phases
+    assert phases["total"] < 60
+    assert 0 < rep["goodput"] < 1

@@ -1,0 +1,145 @@
+"""Faults injected from outside by pid (SIGKILL, SIGSTOP, agent SIGKILL), a script that
+fails before its first step, and SIGTERM to ``trainguard run``. Each test ends with the
+job in the right state and (fixture ``no_leaks``) nothing of it left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import (
+    TINY,
+    events,
+    losses,
+    reached_step,
+    report,
+    run_job,
+    start_job,
+    wait_for,
+    worker_pid,
+)
+
+STEPS = 150
+ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "10"]
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"job did not finish in {timeout}s:\n{err[-3000:]}") from None
+    return proc.returncode, err
+
+
+def _agent_pid(run_dir: Path, node_id: str) -> int:
+    def find() -> int | None:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "agent" in cmd and node_id in cmd and str(run_dir) in cmd:
+                return p.pid
+        return None
+
+    return int(wait_for(find, 30, f"agent {node_id}"))
+
+
+def test_sigkill_of_a_worker(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2"], ARGS)
+    pid = worker_pid(run, rank=1)
+    wait_for(lambda: reached_step(run, 25), 90, "step 25")
+    os.kill(pid, signal.SIGKILL)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    rep = report(run)
+    assert [(f["cause"], f["rank"]) for f in rep["faults"]] == [("worker_crash", 1)]
+    assert rep["recoveries"][0]["restore_step"] >= 20
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+
+
+def test_sigstop_of_a_worker_is_a_hang(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2", "--hang-timeout", "3"], ARGS)
+    pid = worker_pid(run, rank=1)
+    wait_for(lambda: reached_step(run, 25), 90, "step 25")
+    os.kill(pid, signal.SIGSTOP)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    rep = report(run)
+    assert [(f["cause"], f["rank"]) for f in rep["faults"]] == [("hang", 1)]
+    assert rep["recoveries"][0]["phases_s"]["detect"] >= 3.0
+    stacks = {
+        r: t for e in events(run) if e["kind"] == "hang_suspected" for r, t in e["stacks"].items()
+    }
+    # py-spy dumps of every rank ride on the events: the victim's (waiting in a collective,
+    # in backward's DDP all-reduce or the loss all-reduce) and the frozen culprit's.
+    assert "train.py" in stacks["0"] and "train.py" in stacks["1"]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_sigkill_of_an_agent_is_a_lost_node_replaced_by_standby(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS)
+    worker_pid(run, rank=1)
+    wait_for(lambda: reached_step(run, 25), 90, "step 25")
+    os.kill(_agent_pid(run, "node1"), signal.SIGKILL)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    rep = report(run)
+    assert [(f["cause"], f["node_id"]) for f in rep["faults"]] == [("node_lost", "node1")]
+    assert rep["recoveries"][0]["replaced"] == {"node1": "node2"}
+    started = [e for e in events(run) if e["kind"] == "worker_started" and e["generation"] == 1]
+    assert {e["node"] for e in started} == {"node0", "node2"}
+
+
+def test_script_failing_before_step_one_fails_fast_with_its_traceback(tmp_path: Path) -> None:
+    res = run_job(
+        tmp_path / "run",
+        ["--nodes", "2", "--max-restarts", "5"],
+        [*ARGS, "--data", "/no/such/corpus"],
+    )
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "trainguard: job failed: user error: the script failed before its first step"
+    )
+    assert "FileNotFoundError: --data /no/such/corpus: no such file or directory" in last
+    assert "Traceback (most recent call last)" in res.stderr
+    gens = {e["generation"] for e in events(tmp_path / "run") if e["kind"] == "generation_started"}
+    assert gens == {0, 1}  # failed fast: two generations, not the restart budget of five
+
+
+def test_sigterm_to_run_stops_cleanly_and_a_rerun_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2"], ARGS)
+    worker_pid(run, rank=1)
+    wait_for(lambda: reached_step(run, 25), 90, "step 25")
+    proc.send_signal(signal.SIGTERM)
+    code, err = _finish(proc, timeout=60)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "trainguard: job stopped by SIGTERM" in err.strip().splitlines()[-1]
+    stopped_at = max(losses(run))
+    assert stopped_at < STEPS
+    assert (run / "checkpoints" / f"step_{stopped_at}").is_dir()  # the workers saved on SIGTERM
+    res = run_job(run, ["--nodes", "2"], ARGS)  # same run dir: resumes from that checkpoint
+    assert res.returncode == 0, res.stderr[-3000:]
+    first_gen = [e for e in events(run) if e["kind"] == "generation_started"][-1]
+    assert first_gen["restore_step"] == stopped_at
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.chaos
+def test_injected_node_down_without_standby_waits_for_the_node(tmp_path: Path) -> None:
+    res = run_job(tmp_path / "run", ["--nodes", "2", "--inject", "node-down:node=1:step=30"], ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = report(tmp_path / "run")
+    assert [(f["cause"], f["node_id"]) for f in rep["faults"]] == [("node_lost", "node1")]
+    kinds = [e["kind"] for e in events(tmp_path / "run")]
+    assert "node_rebooted" in kinds
+    assert sorted(losses(tmp_path / "run")) == list(range(1, STEPS + 1))

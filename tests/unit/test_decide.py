@@ -1,0 +1,256 @@
+"""The job state machine, driven with a fake clock and synthetic agent reports."""
+
+from __future__ import annotations
+
+from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.decide import JobState, decide, desired_for
+
+PEER_LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+
+
+def cfg(**kw: object) -> JobConfig:
+    base: dict[str, object] = {
+        "script": "train.py",
+        "run_dir": "/tmp/x",
+        "nodes": 2,
+        "heartbeat_s": 0.5,
+        "node_timeout_s": 5.0,
+        "max_restarts": 3,
+    }
+    base.update(kw)
+    return JobConfig(**base)  # type: ignore[arg-type]
+
+
+class Sim:
+    """A job as the controller sees it: node reports and a fake clock."""
+
+    def __init__(self, c: JobConfig, nodes: int) -> None:
+        self.c, self.now, self.s = c, 1000.0, JobState(phase_since=1000.0)
+        self.obs = {
+            f"node{i}": NodeObs(
+                node_id=f"node{i}",
+                addr=f"127.0.0.{i + 2}",
+                incarnation=f"inc{i}",
+                last_seen=self.now,
+            )
+            for i in range(nodes)
+        }
+        self.events: list[tuple[str, dict[str, object]]] = []
+        self.ckpt: int | None = None
+
+    def tick(self, dt: float = 0.1, seen: tuple[str, ...] | None = None) -> JobState:
+        self.now += dt
+        for n, o in self.obs.items():
+            if seen is None or n in seen:
+                o.last_seen = self.now
+        self.s, ev = decide(self.s, self.obs, self.now, self.c, self.ckpt)
+        self.events += ev
+        return self.s
+
+    def run_generation(self, step: int = 5) -> None:
+        gen = self.s.generation
+        for n, rank in self.s.assignment.items():
+            o = self.obs[n]
+            if rank == 0:
+                o.store = (gen, 29500 + gen)
+            o.generation = gen
+            o.workers = {
+                rank: WorkerObs(rank=rank, local_rank=0, pid=100 + rank, state="running", step=step)
+            }
+        self.tick()
+        self.tick()
+
+    def ack_stop(self) -> None:
+        for n in self.s.assignment:
+            self.obs[n].stopped_generation = self.s.generation
+            self.obs[n].stopped_at = self.obs[n].cleaned_at = self.now
+            self.obs[n].generation = None
+            self.obs[n].workers = {}
+
+    def worker(self, node: str) -> WorkerObs:
+        return next(iter(self.obs[node].workers.values()))
+
+
+def test_start_assigns_node_ranks_and_standby() -> None:
+    sim = Sim(cfg(standby=1), 3)
+    s = sim.tick()
+    assert s.phase == Phase.RENDEZVOUS and s.generation == 0
+    assert s.assignment == {"node0": 0, "node1": 1}
+    assert s.pools["node2"] == Pool.STANDBY
+    assert desired_for(s, "node2", sim.obs, sim.c)["action"] == "idle"
+    d = desired_for(s, "node0", sim.obs, sim.c)
+    assert d["action"] == "run" and d["host_store"] and d["master_port"] is None
+    sim.run_generation()
+    assert sim.s.phase == Phase.RUNNING and sim.s.master_port == 29500
+    assert desired_for(sim.s, "node1", sim.obs, sim.c)["master_addr"] == "127.0.0.2"
+
+
+def test_crash_stops_cleans_and_restarts_from_checkpoint() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    sim.ckpt = 4
+    w = sim.worker("node1")
+    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+    s = sim.tick()
+    assert s.phase == Phase.STOPPING and s.recovery is not None
+    assert (s.recovery.fault.cause, s.recovery.fault.rank, s.recovery.fault.node_id) == (
+        "worker_crash",
+        1,
+        "node1",
+    )
+    assert desired_for(s, "node0", sim.obs, sim.c) == {
+        "action": "stop",
+        "generation": 0,
+        "grace_s": 1.0,
+    }
+    assert sim.tick().phase == Phase.STOPPING  # waits for every live node to stop
+    sim.ack_stop()
+    s = sim.tick()
+    assert (
+        s.phase == Phase.RENDEZVOUS
+        and s.generation == 1
+        and s.restarts == 1
+        and s.restore_step == 4
+    )
+    assert desired_for(s, "node0", sim.obs, sim.c)["restore_step"] == 4
+
+
+def test_victim_is_not_blamed_when_the_culprit_reports_late() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    v = sim.worker("node0")
+    v.state, v.exit_code, v.exited_at, v.error = "failed", 1, sim.now, PEER_LOST
+    assert sim.tick(0.2).phase == Phase.RUNNING  # settling: only a victim so far
+    c = sim.worker("node1")
+    c.state, c.exit_code, c.exited_at = "failed", -9, sim.now - 0.3
+    s = sim.tick(0.2)
+    assert s.recovery is not None and s.recovery.fault.rank == 1
+
+
+def test_lone_victim_is_reported_after_the_settle_window() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    v = sim.worker("node0")
+    v.state, v.exit_code, v.exited_at, v.error = "failed", 1, sim.now, PEER_LOST
+    sim.tick(0.2)
+    s = sim.tick(1.0)
+    assert s.recovery is not None and s.recovery.fault.rank == 0
+
+
+def test_lost_node_is_replaced_by_standby_which_takes_its_rank() -> None:
+    sim = Sim(cfg(standby=1), 3)
+    sim.tick()
+    sim.run_generation()
+    sim.ckpt = 5
+    s = sim.tick(6.0, seen=("node0", "node2"))  # node1 silent past node_timeout
+    assert s.recovery is not None and s.recovery.fault.cause == "node_lost"
+    assert s.recovery.fault.node_id == "node1"
+    sim.ack_stop()
+    s = sim.tick(0.1, seen=("node0", "node2"))
+    assert s.phase == Phase.RENDEZVOUS and s.assignment == {"node0": 0, "node2": 1}
+    assert s.pools["node1"] == Pool.FAULTY and s.pools["node2"] == Pool.RUNNING
+    assert s.recovery is not None and s.recovery.replaced == {"node1": "node2"}
+    sim.obs["node1"].incarnation = "rebooted"  # the host comes back with a fresh agent
+    assert sim.tick().pools["node1"] == Pool.STANDBY
+
+
+def test_without_standby_the_job_waits_for_the_node_to_return() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    sim.tick(6.0, seen=("node0",))
+    sim.ack_stop()
+    s = sim.tick(0.1, seen=("node0",))
+    assert s.phase == Phase.WAITING_FOR_NODES
+    assert sim.tick(5.0, seen=("node0",)).phase == Phase.WAITING_FOR_NODES
+    sim.obs["node1"].incarnation = "rebooted"
+    s = sim.tick(0.1)
+    assert s.phase == Phase.RENDEZVOUS and s.assignment == {"node0": 0, "node1": 1}
+
+
+def test_script_failing_before_first_step_is_a_user_error() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    for _ in range(2):
+        sim.run_generation(step=None)  # type: ignore[arg-type]
+        for n in sim.s.assignment:
+            w = sim.worker(n)
+            w.step, w.state, w.exit_code, w.exited_at, w.error = (
+                None,
+                "failed",
+                1,
+                sim.now,
+                "ValueError: bad",
+            )
+        sim.tick()
+        sim.ack_stop()
+        sim.tick()
+    assert sim.s.phase == Phase.FAILED and sim.s.reason.startswith("user error")
+    assert "ValueError: bad" in sim.s.reason
+    assert desired_for(sim.s, "node0", sim.obs, sim.c)["action"] == "shutdown"
+
+
+def test_restart_budget_and_no_progress() -> None:
+    sim = Sim(cfg(max_restarts=1), 2)
+    sim.tick()
+    for step in (3, 6):
+        sim.run_generation(step=step)
+        sim.ckpt = step
+        w = sim.worker("node0")
+        w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+        sim.tick()
+        sim.ack_stop()
+        sim.tick()
+    assert sim.s.phase == Phase.FAILED and "restart budget" in sim.s.reason
+    sim2 = Sim(cfg(max_restarts=10, no_progress_generations=2), 2)
+    sim2.tick()
+    for _ in range(2):
+        sim2.run_generation()
+        w = sim2.worker("node1")
+        w.state, w.exit_code, w.exited_at = "failed", -9, sim2.now
+        sim2.tick()
+        sim2.ack_stop()
+        sim2.tick()
+    assert sim2.s.phase == Phase.FAILED and sim2.s.reason.startswith("no progress")
+
+
+def test_hang_names_the_frozen_rank() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    sim.worker("node0").heartbeat_age_s = 0.1
+    sim.worker("node1").heartbeat_age_s = 30.0  # SIGSTOPped: no heartbeats
+    sim.obs["node0"].hang = True
+    s = sim.tick()
+    assert (
+        s.recovery is not None and s.recovery.fault.cause == "hang" and s.recovery.fault.rank == 1
+    )
+
+
+def test_user_stop_and_success() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    sim.s.stop_requested = True
+    s = sim.tick()
+    assert s.phase == Phase.STOPPING and desired_for(s, "node0", sim.obs, sim.c)["grace_s"] == 15.0
+    sim.ack_stop()
+    assert sim.tick().phase == Phase.STOPPED
+    ok = Sim(cfg(), 2)
+    ok.tick()
+    ok.run_generation()
+    for n in ok.s.assignment:
+        ok.worker(n).state = "succeeded"
+    assert ok.tick().phase == Phase.SUCCEEDED
+
+
+def test_config_rejects_bad_values_with_the_fix() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="--nodes 0"):
+        cfg(nodes=0)
+    with pytest.raises(ValueError, match="--hang-timeout"):
+        cfg(hang_timeout_s=float("inf"))
