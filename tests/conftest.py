@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -67,10 +68,8 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
             break
         time.sleep(0.2)
     for p in leaked:  # clean up so one leak does not fail the next test too
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             os.killpg(p.pid, 9) if os.getpgid(p.pid) == p.pid else p.kill()
-        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-            pass
     zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
     new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before if "trainguard" in n]
     assert not leaked, (
@@ -116,10 +115,8 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
         return []
     out = []
     for line in path.read_text().splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a line being written right now
             out.append(json.loads(line))
-        except ValueError:  # a line being written right now
-            pass
     return out
 
 
