@@ -7,10 +7,23 @@ excluded, concatenated up to ``max_bytes``.
 
 from __future__ import annotations
 
+import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+
+def _walk_sorted(root: Path, *, skip_top: set[str], suffix: str) -> Iterator[Path]:
+    """Files under ``root`` in a deterministic (sorted) order, lazily: reading stops early."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in skip_top]
+        for name in sorted(filenames):
+            if name.endswith(suffix):
+                yield Path(dirpath) / name
 
 
 def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
@@ -20,14 +33,14 @@ def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
     """
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0])
+        files = _walk_sorted(root, skip_top={"test", "idlelib", "site-packages"}, suffix=".py")
     else:
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(
                 f"--data {path}: no such file or directory; pass a text file or a directory of them"
             )
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        files = iter([root]) if root.is_file() else _walk_sorted(root, skip_top=set(), suffix="")
     chunks: list[bytes] = []
     total = 0
     for f in files:

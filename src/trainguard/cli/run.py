@@ -215,6 +215,9 @@ def run_command(args: argparse.Namespace) -> int:
     with os.fdopen(fd, "w") as f:
         f.write(token)
     state, sig = asyncio.run(_run(cfg, token, token_file))
+    from trainguard.observe.report import print_report
+
+    print_report(Path(cfg.run_dir), as_json=False)
     if state.phase == Phase.SUCCEEDED:
         print(
             f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies); "
