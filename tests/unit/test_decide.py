@@ -102,7 +102,7 @@ def test_crash_stops_cleans_and_restarts_from_checkpoint() -> None:
     assert desired_for(s, "node0", sim.obs, sim.c) == {
         "action": "stop",
         "generation": 0,
-        "grace_s": 1.0,
+        "grace_s": 0.5,
     }
     assert sim.tick().phase == Phase.STOPPING  # waits for every live node to stop
     sim.ack_stop()
