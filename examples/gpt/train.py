@@ -48,16 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument(
-        "--ckpt-every", type=int, default=10, help="checkpoint every K steps (0 = never)"
-    )
+    p.add_argument("--ckpt-every", type=int, default=1, help="snapshot every K steps (0 = never)")
+    p.add_argument("--durable-every", type=int, default=10, help="persist every K-th step to disk")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument(
         "--out", default=None, help="run dir for metrics.jsonl (default: $TRAINGUARD_RUN_DIR or .)"
     )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.ckpt_every < 0:
-        p.error("--steps must be >= 1 and --ckpt-every >= 0")
+    if args.steps < 1 or args.ckpt_every < 0 or args.durable_every < 0:
+        p.error("--steps must be >= 1; --ckpt-every and --durable-every >= 0")
     return args
 
 
@@ -111,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     train = TrainState(ddp, optim)
     per_rank = {"rng": torch.get_rng_state(), "data": sampler.state_dict()}
     state: dict[str, Any] = {"train": train, "per_rank": per_rank}
-    ckpt = trainguard.Checkpointer()
+    # Snapshots to memory overlap the next forward/backward; the optimizer waits for them.
+    ckpt = trainguard.Checkpointer(durable_every=args.durable_every, overlap=True)
+    ckpt.attach(optim)
     restored = ckpt.load(state)
     if restored is not None:
         torch.set_rng_state(per_rank["rng"])
@@ -144,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
             metrics.write(json.dumps({"step": step, "loss": mean_loss, "time": time.time()}) + "\n")
             metrics.flush()
         stopping = flags[1].item() > 0
-        if stopping or step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0):
+        last = stopping or step == args.steps
+        if last or (args.ckpt_every and step % args.ckpt_every == 0):
             per_rank["rng"] = torch.get_rng_state()
             per_rank["data"] = sampler.state_dict()
-            ckpt.save(step, state)
+            ckpt.save(step, state, durable=True if last else None)
         if stopping:
             print(f"[rank {rank}] SIGTERM: saved step {step}, exiting", flush=True)
             break
-    ckpt.close()
+    ckpt.close()  # returns once the last durable step is committed
     if metrics is not None:
         metrics.close()
     if distributed:

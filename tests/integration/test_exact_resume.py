@@ -11,7 +11,7 @@ STEPS = 40
 
 
 def test_kill_mid_run_gives_the_same_losses_as_no_fault(tmp_path: Path) -> None:
-    args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5"]
+    args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "5"]
     clean = run_job(tmp_path / "clean", ["--nodes", "2"], args)
     assert clean.returncode == 0, clean.stderr[-3000:]
     faulty = run_job(tmp_path / "faulty", ["--nodes", "2", "--inject", "kill:rank=1:step=23"], args)
@@ -25,7 +25,9 @@ def test_kill_mid_run_gives_the_same_losses_as_no_fault(tmp_path: Path) -> None:
     assert rep["phase"] == "SUCCEEDED" and rep["last_step"] == STEPS
     assert [(f["cause"], f["rank"], f["step"]) for f in rep["faults"]] == [("worker_crash", 1, 23)]
     (rec,) = rep["recoveries"]
-    assert rec["restore_step"] == 20 and rec["steps_lost"] == 3
+    # Rank 1 dies at the end of step 23, before snapshotting it: the newest step every rank
+    # holds is 22 in memory (or, if the persister had not verified it yet, 21 or 20 on disk).
+    assert 20 <= rec["restore_step"] <= 22 and rec["steps_lost"] == 23 - rec["restore_step"]
     phases = rec["phases_s"]
     for name in (
         "detect",

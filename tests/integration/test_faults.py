@@ -25,7 +25,7 @@ from tests.conftest import (
 )
 
 STEPS = 150
-ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "10"]
+ARGS = [*TINY, "--steps", str(STEPS), "--durable-every", "10"]
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, str]:

@@ -36,7 +36,7 @@ class Sim:
             for i in range(nodes)
         }
         self.events: list[tuple[str, dict[str, object]]] = []
-        self.ckpt: int | None = None
+        self.ckpt: list[tuple[int, int]] = []
 
     def tick(self, dt: float = 0.1, seen: tuple[str, ...] | None = None) -> JobState:
         self.now += dt
@@ -89,7 +89,7 @@ def test_crash_stops_cleans_and_restarts_from_checkpoint() -> None:
     sim = Sim(cfg(), 2)
     sim.tick()
     sim.run_generation()
-    sim.ckpt = 4
+    sim.ckpt = [(4, 0)]
     w = sim.worker("node1")
     w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
     s = sim.tick()
@@ -144,7 +144,7 @@ def test_lost_node_is_replaced_by_standby_which_takes_its_rank() -> None:
     sim = Sim(cfg(standby=1), 3)
     sim.tick()
     sim.run_generation()
-    sim.ckpt = 5
+    sim.ckpt = [(5, 0)]
     s = sim.tick(6.0, seen=("node0", "node2"))  # node1 silent past node_timeout
     assert s.recovery is not None and s.recovery.fault.cause == "node_lost"
     assert s.recovery.fault.node_id == "node1"
@@ -198,7 +198,7 @@ def test_restart_budget_and_no_progress() -> None:
     sim.tick()
     for step in (3, 6):
         sim.run_generation(step=step)
-        sim.ckpt = step
+        sim.ckpt = [(step, 0)]
         w = sim.worker("node0")
         w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
         sim.tick()

@@ -36,9 +36,13 @@ def test_flipped_byte_is_caught_and_older_step_used(tmp_path: Path) -> None:
 def test_prune_keeps_newest_and_removes_stale_tmp(tmp_path: Path) -> None:
     for s in (1, 2, 3, 4):
         _write_step(tmp_path, s, bytes([s]) * 10)
-    stale = storage.tmp_dir(tmp_path, 9, 3)
+    stale = storage.tmp_dir(tmp_path, 2, 3)
     stale.mkdir()
-    assert storage.prune(tmp_path, 2) == [1, 2]
+    newer = storage.tmp_dir(tmp_path, 9, 3)  # in progress: kept
+    newer.mkdir()
+    assert storage.prune(tmp_path, 2, committed_step=4, generation=3) == [1, 2]
+    assert newer.exists()
+    newer.rmdir()
     assert storage.list_committed(tmp_path) == [3, 4]
     assert not stale.exists()
     assert storage.prune(tmp_path, 0) == [3]  # keep < 1 still keeps the newest

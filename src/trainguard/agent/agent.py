@@ -19,11 +19,13 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.agent import workers as wk
+from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.runtime import api as rt_api
 from trainguard.runtime import wire
 
@@ -99,6 +102,11 @@ class Agent:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.report_port = self._sock.getsockname()[1]
         self._spare_log = open(cfg.run_dir / "logs" / f"spares.{cfg.node_id}.log", "ab")  # noqa: SIM115
+        self.job_id = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
+        self._ckpt_cfg: dict[str, Any] | None = None
+        self._ckptd: subprocess.Popen[bytes] | None = None
+        self._ckptd_client: ckptd_mod.CkptdClient | None = None
+        self._memory: dict[str, Any] = {}
         # Spares carry the run dir so that every process of a job can be attributed to it.
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
         self.spares = wk.SparePool(spare_env, self._spare_log)
@@ -142,9 +150,17 @@ class Agent:
             rt_api.ENV_RUN_DIR: run_dir,
             rt_api.ENV_GENERATION: str(gen),
             rt_api.ENV_RESTORE_STEP: "" if d["restore_step"] is None else str(d["restore_step"]),
-            rt_api.ENV_CKPT_DIR: str(Path(run_dir) / "checkpoints"),
             rt_api.ENV_INJECT: json.dumps(d["injects"]),
             rt_api.ENV_HEARTBEAT_S: str(d["heartbeat_s"]),
+            rt_api.ENV_CKPT_DIR: str(d["ckpt"]["dir"]),
+            rt_api.ENV_RESTORE_GEN: "" if d.get("restore_gen") is None else str(d["restore_gen"]),
+            rt_api.ENV_CKPTD: ckptd_mod.socket_name(self.job_id, self.cfg.node_id)
+            if d["ckpt"]["memory_tier"]
+            else "",
+            rt_api.ENV_MEMORY_TIER: "1" if d["ckpt"]["memory_tier"] else "0",
+            rt_api.ENV_SHM_DIR: str(d["ckpt"]["shm_dir"]),
+            rt_api.ENV_JOB_ID: self.job_id,
+            rt_api.ENV_NODE_ID: self.cfg.node_id,
         }
 
     # ------------------------------------------------------------------ main loop
@@ -180,8 +196,97 @@ class Agent:
         finally:
             self._stop_workers(grace_s=15.0)
             self.spares.close()
+            self._stop_ckptd()
             self._report_once(timeout_s=2.0)
         return 0
+
+    # ------------------------------------------------------------------ ckptd
+    def _slots(self, shm_dir: str) -> list[Path]:
+        return sorted(Path(shm_dir).glob(f"trainguard-{self.job_id}-{self.cfg.node_id}-*"))
+
+    def _ensure_ckptd(self, ckpt: dict[str, Any]) -> None:
+        """Start the node's ckptd, or restart it if it died (it re-adopts intact slots)."""
+        if not ckpt.get("memory_tier"):
+            return
+        if self._ckptd is not None and self._ckptd.poll() is None:
+            return
+        if self._ckptd is None:
+            for path in self._slots(ckpt["shm_dir"]):  # a (re)booted node's memory is empty
+                path.unlink(missing_ok=True)
+        else:
+            self._event("ckptd_restarted", exit_code=self._ckptd.returncode)
+        self._ckpt_cfg = ckpt
+        log_f = open(self.cfg.run_dir / "logs" / f"ckptd.{self.cfg.node_id}.log", "ab")  # noqa: SIM115
+        self._ckptd = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainguard.checkpoint.ckptd",
+                "--job",
+                self.job_id,
+                "--node",
+                self.cfg.node_id,
+                "--ckpt-dir",
+                str(ckpt["dir"]),
+                "--shm-dir",
+                str(ckpt["shm_dir"]),
+                "--keep",
+                str(ckpt["keep"]),
+            ],
+            stdout=log_f,
+            stderr=log_f,
+            env={**os.environ, "TRAINGUARD_AGENT_PID": str(os.getpid())},
+        )
+        log_f.close()
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and self._ckptd.poll() is None:
+            try:
+                ckptd_mod.CkptdClient(
+                    ckptd_mod.socket_name(self.job_id, self.cfg.node_id), timeout_s=1.0
+                ).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        log.error("ckptd did not come up; see logs/ckptd.%s.log", self.cfg.node_id)
+
+    def _ckptd_status(self) -> None:
+        """Memory-tier index and ckptd events, for the next report (called by the report thread)."""
+        if self._ckptd is None or self._ckptd.poll() is not None:
+            self._memory = {}
+            return
+        try:
+            if self._ckptd_client is None:
+                self._ckptd_client = ckptd_mod.CkptdClient(
+                    ckptd_mod.socket_name(self.job_id, self.cfg.node_id)
+                )
+            st = self._ckptd_client.call({"op": "status"}, timeout_s=2.0)
+        except (OSError, ValueError, ckptd_mod.CheckpointError):
+            if self._ckptd_client is not None:
+                self._ckptd_client.close()
+            self._ckptd_client = None
+            return
+        self._memory = st["memory"]
+        with self._lock:
+            self._events.extend(st["events"])
+
+    def _stop_ckptd(self) -> None:
+        """Ask ckptd to finish pending persistence and unlink the node's slots (deadline 70 s)."""
+        if self._ckptd is None:
+            return
+        with contextlib.suppress(OSError, ValueError, ckptd_mod.CheckpointError):
+            client = ckptd_mod.CkptdClient(
+                ckptd_mod.socket_name(self.job_id, self.cfg.node_id), timeout_s=2.0
+            )
+            client.call({"op": "shutdown", "unlink": True})
+            client.close()
+        try:
+            self._ckptd.wait(timeout=70.0)
+        except subprocess.TimeoutExpired:
+            self._ckptd.kill()
+            self._ckptd.wait(timeout=5.0)
+        if self._ckpt_cfg is not None:
+            for path in self._slots(self._ckpt_cfg["shm_dir"]):
+                path.unlink(missing_ok=True)
 
     def _warm_torch(self) -> None:
         import torch.distributed  # noqa: F401  (the store below needs it; import once, early)
@@ -193,6 +298,8 @@ class Agent:
         action = d.get("action")
         if action == "shutdown":
             return True
+        if "ckpt" in d:
+            self._ensure_ckptd(d["ckpt"])
         if action == "run":
             gen = int(d["generation"])
             if self.generation is not None and self.generation != gen:
@@ -270,7 +377,8 @@ class Agent:
         wk.kill_groups(procs, grace_s=grace_s)
         self._stopped_at = time.time()
         self._poll_workers(stopping=True)
-        killed = wk.clean_descendants(keep=self.spares.pids)
+        keep = self.spares.pids | ({self._ckptd.pid} if self._ckptd is not None else set())
+        killed = wk.clean_descendants(keep=keep)
         self._cleaned_at = time.time()
         self._event(
             "workers_stopped",
@@ -361,6 +469,8 @@ class Agent:
             kind = it.get("t")
             if kind == "hb":
                 w.last_hb_mono = now
+            elif kind == "alive":
+                w.last_hb_mono = w.last_progress_mono = now
             elif kind == "step":
                 w.last_hb_mono = now
                 if w.step is None or it["step"] > w.step:
@@ -396,6 +506,7 @@ class Agent:
 
     # ------------------------------------------------------------------ controller I/O
     def _snapshot(self) -> dict[str, Any]:
+        self._ckptd_status()
         now = time.monotonic()
         with self._lock:
             events, self._events = self._events, []
@@ -412,6 +523,7 @@ class Agent:
             "cleaned_at": self._cleaned_at,
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
+            "memory": self._memory,
             "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],
         }
 

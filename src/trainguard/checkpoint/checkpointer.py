@@ -1,38 +1,128 @@
 """The runtime Checkpointer: ``save(step, state)``, ``load(state)``, ``wait()``, ``close()``.
 
-This version saves synchronously with ``torch.distributed.checkpoint`` (DCP) into
-the durable tier (storage.py) and commits by atomic rename; the shared-memory
-engine replaces what is under this API without changing it.
+The training step pays only for a memory copy: ``save`` copies the state's tensors
+into a pre-allocated, pre-faulted shared-memory slot (double-buffered), writes the
+header last and notifies the persister, which checksums it and writes it to the
+durable tier (DCP layout) in the background. Under ``trainguard run`` the slots and
+the persister belong to the node's ckptd, so they outlive a crashed worker; outside
+it (plain python, torchrun) the persister runs in this process.
 
 ``state`` is a nested dict of tensors, ``Stateful`` objects and picklable values.
-DCP treats plain tensors and values as replicated across ranks (rank 0's copy is
-kept); everything under ``state["per_rank"]`` (RNG states, data position) is saved
-separately for every rank under the key ``per_rank.<rank>``.
+Plain tensors and values are treated as replicated across data-parallel ranks, as
+DCP does (rank 0's copy is the durable one); everything under ``state["per_rank"]``
+(RNG states, data position) is kept separately for every rank as ``per_rank.<rank>``.
+
+With ``overlap=True`` the copy runs on a background thread during the next forward
+and backward; call ``attach(optimizer)`` (a step pre-hook) or ``wait_staged()`` so
+it finishes before the optimizer next writes the parameters.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import pickle
+import socket
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.stateful import Stateful
 
-from trainguard.checkpoint import storage
+from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.api import (
     PER_RANK_KEY,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
 )
+from trainguard.checkpoint.ckptd import CkptdClient
+from trainguard.checkpoint.persister import WRITE_ERRORS, Persister
 from trainguard.runtime import api as rt_api
 from trainguard.runtime.core import init as runtime_init
 
+SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
+DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class _Local:
+    """Persister in this process, slots owned (and unlinked on close) by this process."""
+
+    def __init__(self, root: Path, shm_dir: Path, keep: int) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.persister = Persister(
+            root, keep=keep, emit=lambda kind, **d: self.events.append((kind, d))
+        )
+        self.job = "local" + hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
+        self.node = socket.gethostname().split(".")[0] or "host"
+        self.shm_dir = shm_dir
+        self.paths: list[Path] = []
+
+    def alloc(self, rank: int, nbytes: int) -> tuple[Path, Path]:
+        paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
+        for p in paths:
+            snapshot.create_slot(p, nbytes)
+        self.paths = list(paths)
+        return paths
+
+    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool, world: int) -> None:
+        self.persister.staged(rank, slot, step, gen, durable)
+
+    def wait_durable(self, step: int, timeout_s: float) -> bool:
+        return self.persister.wait_durable(step, timeout_s)
+
+    def close(self) -> None:
+        self.persister.close()
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+            snapshot.sums_path(p).unlink(missing_ok=True)
+
+
+class _Remote:
+    """The node's ckptd (under ``trainguard run``)."""
+
+    def __init__(self, name: str) -> None:
+        self.client = CkptdClient(name)
+
+    def alloc(self, rank: int, nbytes: int) -> tuple[Path, Path]:
+        a, b = self.client.call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)[
+            "slots"
+        ]
+        return Path(a), Path(b)
+
+    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool, world: int) -> None:
+        self.client.call(
+            {
+                "op": "staged",
+                "rank": rank,
+                "slot": str(slot),
+                "step": step,
+                "generation": gen,
+                "durable": durable,
+                "world_size": world,
+            }
+        )
+
+    def wait_durable(self, step: int, timeout_s: float) -> bool:
+        req = {"op": "wait_durable", "step": step, "timeout_s": timeout_s}
+        return bool(self.client.call(req, timeout_s=timeout_s + 10.0)["durable"])
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class Checkpointer:
@@ -41,12 +131,26 @@ class Checkpointer:
     Args:
         directory: durable root; default ``$TRAINGUARD_CKPT_DIR``, else
             ``$TRAINGUARD_RUN_DIR/checkpoints``, else ``./checkpoints``.
-        keep: committed steps retained (>= 1; the newest is never deleted).
+        keep: committed durable steps retained (>= 1; the newest is never deleted).
+        durable_every: persist steps that are multiples of this to disk (every staged step
+            is in memory); 0 = only saves with ``durable=True``.
+        overlap: copy in the background (see module docstring).
+        memory_tier: False = synchronous DCP saves straight to the durable tier.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, keep: int = 2) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        keep: int = 2,
+        durable_every: int = 1,
+        overlap: bool = False,
+        memory_tier: bool | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint")
+        if durable_every < 0:
+            raise ValueError(f"durable_every={durable_every}: must be >= 0")
         env = os.environ
         if directory is None:
             run_dir = env.get(rt_api.ENV_RUN_DIR)
@@ -54,68 +158,296 @@ class Checkpointer:
                 Path(run_dir) / "checkpoints" if run_dir else "checkpoints"
             )
         self.root = Path(directory)
-        self.keep = keep
+        self.keep, self.durable_every, self.overlap = keep, durable_every, overlap
+        if memory_tier is None:
+            memory_tier = env.get(rt_api.ENV_MEMORY_TIER, "1") != "0"
+        self.memory_tier = memory_tier
         self._rt = runtime_init()
+        self._backend: _Local | _Remote | None = None
+        self._slots: list[snapshot.Slot] = []
+        self._layout: snapshot.Layout | None = None
+        self._newest = -1  # index of the slot holding the newest snapshot
+        self._copy: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        self._last_durable: int | None = None
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Save ``state`` as ``step`` on every rank (collective when a process group exists).
+    def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
+        """Snapshot ``state`` as ``step``. Blocks for the memory copy only (or, with
+        ``overlap``, not even that). ``durable``: force (True) or skip (False) the disk
+        tier for this step; default: ``step % durable_every == 0``.
 
-        Returns when the step is committed durably. Raises CheckpointError if the write
-        fails (e.g. disk full); the previously committed step is untouched.
+        Raises CheckpointError when the snapshot cannot be staged (e.g. /dev/shm too
+        small; the message says how to fix it). Nothing already saved is touched.
         """
-        t0 = time.time()
+        self.wait_staged()
+        durable = (
+            (self.durable_every > 0 and step % self.durable_every == 0)
+            if durable is None
+            else durable
+        )
+        if not self.memory_tier:
+            self._save_sync(step, state)
+            return
+        rank, world = _rank_world()
+        tensors, objects, mappings = self._flatten(state, rank)
+        blob = pickle.dumps(objects)
+        backend = self._connect()
+        if self._layout is None or not self._layout.fits(tensors, len(blob)):
+            self._allocate(backend, rank, tensors, len(blob))
+        assert self._layout is not None
+        slot, lockf = self._take_slot(durable)
+        if slot is None:
+            self._rt.event("ckpt_skipped", step=step, reason="both snapshot slots busy persisting")
+            return
+        meta = {
+            "step": step,
+            "generation": self._rt.generation,
+            "rank": rank,
+            "world_size": world,
+            "durable": durable,
+            "time": time.time(),
+            "mappings": {k: list(v) for k, v in mappings.items()},
+        }
+        layout = self._layout
+        slot.begin()
+
+        def finish() -> None:
+            try:
+                slot.write_tensors(layout, tensors)
+                slot.commit(layout, blob, meta)
+                self._newest = self._slots.index(slot)
+            finally:
+                fcntl.flock(lockf, fcntl.LOCK_UN)
+                lockf.close()
+            backend.staged(rank, slot.path, step, self._rt.generation, durable, world)
+            if durable:
+                self._last_durable = step
+
+        if self.overlap:
+
+            def run() -> None:
+                try:
+                    finish()
+                except BaseException as e:  # surfaced by wait_staged() on the training thread
+                    self._copy_error = e
+
+            self._copy = threading.Thread(target=run, name="trainguard-stage", daemon=True)
+            self._copy.start()
+        else:
+            finish()
+
+    def wait_staged(self) -> None:
+        """Block until the last background copy is in memory. Re-raises its error, if any."""
+        if self._copy is not None:
+            self._copy.join()
+            self._copy = None
+        if self._copy_error is not None:
+            err, self._copy_error = self._copy_error, None
+            raise CheckpointError(f"staging the snapshot failed: {err}") from err
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait for a background copy first (overlap mode)."""
+        optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def _connect(self) -> _Local | _Remote:
+        if self._backend is None:
+            name = os.environ.get(rt_api.ENV_CKPTD)
+            shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
+            self._backend = _Remote(name) if name else _Local(self.root, shm, self.keep)
+        return self._backend
+
+    def _allocate(
+        self, backend: _Local | _Remote, rank: int, tensors: dict[str, torch.Tensor], nblob: int
+    ) -> None:
+        for s in self._slots:
+            s.close()
+        self._layout = snapshot.Layout.plan(tensors, nblob)
+        paths = backend.alloc(rank, self._layout.total_bytes)
+        self._slots = [snapshot.Slot(p, writable=True) for p in paths]
+        self._newest = -1
+
+    def _take_slot(self, durable: bool) -> tuple[snapshot.Slot | None, Any]:
+        """Lock a slot the persister does not hold: prefer the one without the newest snapshot."""
+        order = [1 - self._newest, self._newest] if self._newest >= 0 else [0, 1]
+        deadline = time.monotonic() + (SLOT_WAIT_S if durable else 0.0)
+        while True:
+            for i in order:
+                slot = self._slots[i]
+                lockf = open(slot.path, "rb")  # noqa: SIM115 - closed when the copy finishes
+                try:
+                    fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    lockf.close()
+                    continue
+                if snapshot.reusable(slot.path):
+                    return slot, lockf
+                fcntl.flock(lockf, fcntl.LOCK_UN)
+                lockf.close()
+            if time.monotonic() >= deadline:
+                return None, None
+            time.sleep(0.005)
+
+    def _save_sync(self, step: int, state: dict[str, Any]) -> None:
+        """Durable-only mode: DCP straight to disk, committed by atomic rename."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = storage.tmp_dir(self.root, step, self._rt.generation)
         try:
-            dcp.save(self._to_dcp(state), checkpoint_id=str(tmp))
-            if _rank() == 0:
-                storage.commit(tmp, self.root, step)
-                storage.prune(self.root, self.keep)
-        except (OSError, RuntimeError) as e:
+            dcp.save(self._with_rank_key(state, _rank_world()[0]), checkpoint_id=str(tmp))
+            if _rank_world()[0] == 0:
+                storage.commit(tmp, self.root, step, generation=self._rt.generation)
+                storage.prune(
+                    self.root, self.keep, committed_step=step, generation=self._rt.generation
+                )
+        except WRITE_ERRORS as e:
             raise CheckpointError(f"saving step {step} to {self.root} failed: {e}") from e
-        self._rt.event("ckpt_saved", step=step, tier="durable", duration_s=time.time() - t0)
+        self._last_durable = step
 
     # ------------------------------------------------------------------ load
     def load(self, state: dict[str, Any]) -> int | None:
         """Restore ``state`` in place from the agreed step; returns that step or None.
 
         Under ``trainguard run`` the step is the one the controller chose for every rank
-        (``$TRAINGUARD_RESTORE_STEP``); standalone it is the newest verified step.
-        Raises CheckpointCorruptError if the chosen step fails verification and
-        CheckpointNotFoundError if it is not committed.
+        (``$TRAINGUARD_RESTORE_STEP``); this rank reads it from its fastest verified tier:
+        its memory snapshot, else the durable copy. Standalone: the newest verified durable
+        step. A corrupt copy is skipped with an event, never loaded. Raises
+        CheckpointNotFoundError / CheckpointCorruptError when no verified copy of the
+        agreed step exists.
         """
+        rank, _ = _rank_world()
         if self._rt.supervised:
             step = self._rt.restore_step
             if step is None:
                 return None
+            gen = int(os.environ.get(rt_api.ENV_RESTORE_GEN, "-1"))
+            t0 = time.time()
+            self._rt.event("ckpt_load_start", step=step)
+            if self.memory_tier and self._load_memory(state, rank, step, gen):
+                self._rt.event(
+                    "ckpt_load_end", step=step, tier="memory", duration_s=time.time() - t0
+                )
+                return step
             problems = storage.verify(self.root, step)
             if problems:
                 if not storage.step_dir(self.root, step).exists():
-                    raise CheckpointNotFoundError(f"step {step} is not committed under {self.root}")
+                    raise CheckpointNotFoundError(
+                        f"step {step} is in no tier of rank {rank} (memory or {self.root})"
+                    )
                 raise CheckpointCorruptError(f"step {step}: {'; '.join(problems)}")
         else:
-            step, _skipped = storage.newest_verified(self.root)
+            step, skipped = storage.newest_verified(self.root)
+            for bad, problems in skipped.items():
+                self._rt.event("ckpt_corrupt", step=bad, tier="durable", problems=problems)
             if step is None:
                 return None
-        t0 = time.time()
-        self._rt.event("ckpt_load_start", step=step)
-        flat = self._to_dcp(state)
-        dcp.load(flat, checkpoint_id=str(storage.step_dir(self.root, step)))
+            t0 = time.time()
+            self._rt.event("ckpt_load_start", step=step)
+        flat = self._with_rank_key(state, rank)
+        # no_dist: each rank reads its own keys; a collective here would deadlock against
+        # ranks that restore from memory instead.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(flat, checkpoint_id=str(storage.step_dir(self.root, step)), no_dist=True)
         for key in state:
             if key != PER_RANK_KEY:
                 state[key] = flat[key]
         self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
         return step
 
-    def _to_dcp(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _load_memory(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
+        name_job = os.environ.get(rt_api.ENV_JOB_ID, "")
+        node = os.environ.get(rt_api.ENV_NODE_ID, "")
+        shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
+        for path in snapshot.slot_paths(shm, name_job, node, rank):
+            h = snapshot.peek_header(path)
+            if h is None or (h["step"], h["generation"]) != (step, gen):
+                continue
+            sums = snapshot.read_sums(path, step, gen)
+            if sums is None:
+                continue
+            converted = self._converted(state, rank)
+            flat, mappings = flatten_state_dict(converted)
+            targets = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+            slot = snapshot.Slot(path, writable=False)
+            try:
+                objects = slot.restore_into(h, sums, targets)
+            except CheckpointCorruptError as e:
+                self._rt.event("ckpt_corrupt", step=step, tier="memory", problems=[str(e)])
+                return False
+            finally:
+                slot.close()
+            for key, value in objects.items():
+                set_element(converted, mappings[key], value)
+            for key, value in state.items():
+                if isinstance(value, Stateful):
+                    value.load_state_dict(converted[key])
+                elif key == PER_RANK_KEY:
+                    value.update(converted[f"{PER_RANK_KEY}.{rank}"])
+                else:
+                    state[key] = converted[key]
+            return True
+        return False
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _with_rank_key(state: dict[str, Any], rank: int) -> dict[str, Any]:
         flat = {k: v for k, v in state.items() if k != PER_RANK_KEY}
         if PER_RANK_KEY in state:
-            flat[f"{PER_RANK_KEY}.{_rank()}"] = state[PER_RANK_KEY]
+            flat[f"{PER_RANK_KEY}.{rank}"] = state[PER_RANK_KEY]
         return flat
 
-    def wait(self) -> None:
-        """Block until the last save is durable (immediate: saves here are synchronous)."""
+    def _converted(self, state: dict[str, Any], rank: int) -> dict[str, Any]:
+        return {
+            k: (v.state_dict() if isinstance(v, Stateful) else v)
+            for k, v in self._with_rank_key(state, rank).items()
+        }
+
+    def _flatten(
+        self, state: dict[str, Any], rank: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
+        """DCP's own flattening (so durable keys match plain ``dcp.load``): tensors and objects."""
+        flat, mappings = flatten_state_dict(self._converted(state, rank))
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        for k, t in tensors.items():
+            if t.is_sparse or getattr(t, "_local_tensor", None) is not None:
+                raise CheckpointError(
+                    f"{k}: sparse and distributed tensors need memory_tier = false (DCP direct)"
+                )
+        objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        return tensors, objects, mappings
+
+    # ------------------------------------------------------------------ durability
+    def wait(self, timeout_s: float = DURABLE_WAIT_S) -> None:
+        """Block until the last durable save is committed. Raises CheckpointError past the deadline."""
+        self.wait_staged()
+        if self._last_durable is None or self._backend is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self._backend.wait_durable(
+            self._last_durable, min(1.0, max(0.0, deadline - time.monotonic()))
+        ):
+            self._rt.keepalive()  # waiting under our own deadline is not a hang
+            if time.monotonic() >= deadline:
+                break
+        else:
+            return
+        if not self._backend.wait_durable(self._last_durable, 0.0):
+            raise CheckpointError(
+                f"step {self._last_durable} was not durable within {timeout_s:.0f}s; "
+                f"see the persister's events (disk full?) in the run's events"
+            )
 
     def close(self) -> None:
-        """Release resources (none held by the synchronous engine)."""
+        """Wait for durability of the last durable save, then release slots and the persister."""
+        try:
+            self.wait()
+        finally:
+            for s in self._slots:
+                s.close()
+            self._slots = []
+            backend, self._backend = self._backend, None
+            if backend is not None:
+                backend.close()
+            if isinstance(backend, _Local):
+                for kind, data in backend.events:
+                    self._rt.event(kind, **data)

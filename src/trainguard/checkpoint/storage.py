@@ -61,20 +61,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(tmp: Path, root: Path, step: int) -> Path:
-    """Checksum, fsync and atomically publish ``tmp`` as ``step_<step>``. Returns the final path.
-
-    Raises FileExistsError if the step is already committed (the older copy is kept).
-    """
-    files = {}
-    for path in sorted(tmp.iterdir()):
+def file_sums(directory: Path, prefix: str = "") -> dict[str, dict[str, object]]:
+    """Size and xxh3_64 of every file below ``directory`` (fsynced first), keyed by relative path."""
+    out: dict[str, dict[str, object]] = {}
+    for path in sorted(directory.rglob("*")):
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-            files[path.name] = {"size": path.stat().st_size, "xxh3_64": file_digest(path)}
+            out[prefix + str(path.relative_to(directory))] = {
+                "size": path.stat().st_size,
+                "xxh3_64": file_digest(path),
+            }
+    return out
+
+
+def commit(
+    tmp: Path,
+    root: Path,
+    step: int,
+    *,
+    generation: int = 0,
+    files: dict[str, dict[str, object]] | None = None,
+) -> Path:
+    """Write the manifest (``files``, or checksums of everything in ``tmp``), fsync, and
+    atomically publish ``tmp`` as ``step_<step>``. Returns the final path.
+
+    Raises FileExistsError if the step is already committed (the older copy is kept).
+    """
+    if files is None:
+        files = file_sums(tmp)
     manifest_tmp = tmp / (MANIFEST + ".tmp")
     with open(manifest_tmp, "w") as f:
-        json.dump({"step": step, "files": files}, f)
+        json.dump({"step": step, "generation": generation, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     os.rename(manifest_tmp, tmp / MANIFEST)
@@ -85,6 +103,14 @@ def commit(tmp: Path, root: Path, step: int) -> Path:
     os.rename(tmp, final)
     _fsync_dir(root)
     return final
+
+
+def committed_generation(root: Path, step: int) -> int:
+    """The generation that wrote a committed step (from its manifest; 0 if unrecorded)."""
+    try:
+        return int(json.loads((step_dir(root, step) / MANIFEST).read_text()).get("generation", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def verify(root: Path, step: int) -> list[str]:
@@ -121,11 +147,14 @@ def newest_verified(
     return None, skipped
 
 
-def prune(root: Path, keep: int, *, in_progress: Path | None = None) -> list[int]:
-    """Delete committed steps beyond the newest ``keep`` and stale temp directories.
+def prune(
+    root: Path, keep: int, *, committed_step: int | None = None, generation: int | None = None
+) -> list[int]:
+    """Delete committed steps beyond the newest ``keep``, and abandoned temp directories:
+    those of steps not newer than ``committed_step`` or of generations older than ``generation``.
 
-    The newest committed step is never deleted (``keep`` >= 1 is enforced), and an
-    older step is deleted only after a newer one is committed. Returns deleted steps.
+    The newest committed step is never deleted (``keep`` >= 1 is enforced), and an older
+    step is deleted only after a newer one is committed. Returns the deleted steps.
     """
     keep = max(1, keep)
     steps = list_committed(root)
@@ -133,6 +162,11 @@ def prune(root: Path, keep: int, *, in_progress: Path | None = None) -> list[int
     for step in doomed:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     for path in root.glob(".tmp-step_*"):
-        if path != in_progress:
+        m = re.match(r"^\.tmp-step_(\d+)-gen(\d+)$", path.name)
+        if m is None:
+            continue
+        stale_step = committed_step is not None and int(m.group(1)) <= committed_step
+        stale_gen = generation is not None and int(m.group(2)) < generation
+        if stale_step or stale_gen:
             shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -60,6 +60,18 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--run-dir", type=Path, required=True)
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
+    c = sub.add_parser("ckpt", help="list, verify or export a run's checkpoints")
+    c.add_argument("action", choices=["ls", "verify", "export"])
+    c.add_argument("--run-dir", type=Path, required=True)
+    c.add_argument("--json", action="store_true", help="machine-readable output (ls, verify)")
+    c.add_argument(
+        "--step", type=int, default=None, help="export: the step (default: newest verified)"
+    )
+    c.add_argument("--out", type=Path, default=Path("checkpoint.pt"), help="export: output file")
+    c.add_argument(
+        "--format", choices=["torch", "safetensors"], default="torch", help="export: file format"
+    )
+
     for name, what in (
         ("events", "list a job's events"),
         ("report", "summarize a job: steps, faults, recoveries, goodput"),
@@ -92,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                     exit_with_parent=args.exit_with_parent,
                 )
             )
+        if args.cmd == "ckpt":
+            from trainguard.cli.ckpt import main as ckpt_main
+
+            return ckpt_main(args)
         from trainguard.observe import report
 
         if args.cmd == "events":

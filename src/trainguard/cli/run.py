@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import hashlib
 import logging
 import os
 import secrets
@@ -174,6 +175,10 @@ class Cluster:
                 n.proc.wait(timeout=5.0)
             if n.log is not None:
                 n.log.close()
+        # Every agent is gone: whatever segment a killed node left is this launcher's to remove.
+        job = hashlib.sha1(str(Path(self.cfg.run_dir).resolve()).encode()).hexdigest()[:8]
+        for path in Path(self.cfg.shm_dir).glob(f"trainguard-{job}-*"):
+            path.unlink(missing_ok=True)
 
 
 async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState_T, int]:

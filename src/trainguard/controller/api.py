@@ -78,6 +78,10 @@ class JobConfig:
     )
     no_progress_generations: int = 3  # generations in a row without a new checkpoint → FAILED
     user_error_generations: int = 2  # generations in a row failing before step 1 → FAILED
+    memory_tier: bool = True  # snapshots in node memory (ckptd); False = synchronous DCP to disk
+    shm_dir: str = "/dev/shm"  # where snapshot slots live
+    keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
+    checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints
     reboot_delay_s: float = 2.0  # embedded mode: a killed simulated node returns after this
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 
@@ -120,6 +124,10 @@ class JobConfig:
                 )
 
     @property
+    def ckpt_dir(self) -> str:
+        return self.checkpoint_dir or f"{self.run_dir}/checkpoints"
+
+    @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
 
@@ -156,6 +164,9 @@ class NodeObs:
     stopped_at: float | None = None
     cleaned_at: float | None = None
     store: tuple[int, int] | None = None  # (generation, port) of the TCPStore it hosts
+    memory: dict[int, list[tuple[int, int]]] = dataclasses.field(
+        default_factory=dict
+    )  # rank → verified (step, gen) in ckptd
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -183,6 +194,9 @@ class Recovery:
     from_generation: int
     to_generation: int | None = None
     restore_step: int | None = None
+    restore_tiers: dict[str, int] = dataclasses.field(
+        default_factory=dict
+    )  # tier → ranks restored from it
     steps_lost: int | None = None
     replaced: dict[str, str] = dataclasses.field(default_factory=dict)  # lost node → standby
     t_stopped: float | None = None

@@ -1,4 +1,4 @@
-"""The job state machine as a pure function: ``decide(state, obs, now, cfg, ckpt_step)``.
+"""The job state machine as a pure function: ``decide(state, obs, now, cfg, durable)``.
 
 No I/O, no clock, no processes: tests drive it with a fake clock. The executor
 (server.py) feeds it the agents' latest reports and applies what it returns:
@@ -46,6 +46,9 @@ class JobState:
     )  # when marked faulty
     master_port: int | None = None
     restore_step: int | None = None
+    restore_gen: int | None = (
+        None  # generation that wrote restore_step (the same copy on every rank)
+    )
     restarts: int = 0
     fired: list[int] = dataclasses.field(default_factory=list)  # inject ids that fired
     recovery: Recovery | None = None  # in progress
@@ -252,9 +255,14 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
 
 
 def decide(
-    s0: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, ckpt_step: int | None
+    s0: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    durable: list[tuple[int, int]],
 ) -> tuple[JobState, list[Event]]:
-    """One step of the state machine. ``ckpt_step``: newest verified committed checkpoint step.
+    """One step of the state machine. ``durable``: verified committed (step, generation) pairs;
+    the memory tier comes from the agents' reports (``NodeObs.memory``).
 
     Returns the new state (``s0`` is not modified) and the events to record.
     """
@@ -293,7 +301,7 @@ def decide(
                 if everyone
                 else f"{len(healthy)} nodes joined in {cfg.join_timeout_s}s"
             )
-            _start_generation(s, now, events, ckpt_step, why)
+            _start_generation(s, obs, cfg, now, events, durable, why)
 
     elif s.phase in _ACTIVE_GEN:
         master = next(n for n, r in s.assignment.items() if r == 0)
@@ -346,10 +354,10 @@ def decide(
             _goto(
                 s, Phase.REPLACING, now, events, "workers stopped, processes and segments cleaned"
             )
-            _apply_policy(s, now, cfg, events, ckpt_step)
+            _apply_policy(s, obs, now, cfg, events, durable)
 
     if s.phase in (Phase.REPLACING, Phase.WAITING_FOR_NODES):
-        _replace_and_restart(s, obs, now, cfg, events, ckpt_step)
+        _replace_and_restart(s, obs, now, cfg, events, durable)
     return s, events
 
 
@@ -366,8 +374,35 @@ def _blame_lost_node(
         events.append(("fault_refined", fault.to_json()))
 
 
+def restore_point(
+    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig, durable: list[tuple[int, int]]
+) -> tuple[tuple[int, int] | None, dict[str, int]]:
+    """The newest (step, generation) that every rank of the assignment can restore, and how
+    many ranks read it from each tier. A point is restorable when it is durable, or when
+    every rank's node holds a verified memory copy of it for that rank."""
+    ranks: dict[int, set[tuple[int, int]]] = {}
+    for node, node_rank in s.assignment.items():
+        mem = obs[node].memory if node in obs else {}
+        for local in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + local
+            ranks[rank] = {tuple(p) for p in mem.get(rank, [])}  # type: ignore[misc]
+    in_memory = set.intersection(*ranks.values()) if ranks else set()
+    candidates = in_memory | set(durable)
+    if not candidates:
+        return None, {}
+    point = max(candidates)
+    tiers = {"memory": sum(point in m for m in ranks.values())}
+    tiers["durable"] = len(ranks) - tiers["memory"]
+    return point, tiers
+
+
 def _apply_policy(
-    s: JobState, now: float, cfg: JobConfig, events: list[Event], ckpt_step: int | None
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
 ) -> None:
     """Restart policy, checked once per fault: user error, no progress, restart budget."""
     assert s.recovery is not None
@@ -377,11 +412,10 @@ def _apply_policy(
         s.prestep_failures += 1
     else:
         s.prestep_failures = 0
+    point, _ = restore_point(s, obs, cfg, durable)
+    ckpt_step = point[0] if point else None
     progressed = ckpt_step is not None and (s.restore_step is None or ckpt_step > s.restore_step)
     s.no_progress_generations = 0 if progressed else s.no_progress_generations + 1
-    s.recovery.steps_lost = (
-        max(0, s.max_step.get(gen, 0) - (ckpt_step or 0)) if gen in s.max_step else 0
-    )
     if s.prestep_failures >= cfg.user_error_generations:
         s.reason = (
             f"user error: the script failed before its first step in {s.prestep_failures} "
@@ -403,7 +437,7 @@ def _replace_and_restart(
     now: float,
     cfg: JobConfig,
     events: list[Event],
-    ckpt_step: int | None,
+    durable: list[tuple[int, int]],
 ) -> None:
     lost = sorted(
         set(_lost(s, obs, now, cfg)) | {n for n in s.assignment if s.pools.get(n) == Pool.FAULTY},
@@ -460,25 +494,45 @@ def _replace_and_restart(
     if s.recovery is not None:
         s.recovery.t_replaced = now
     s.restarts += 1
-    _start_generation(s, now, events, ckpt_step, f"restart {s.restarts} of {cfg.max_restarts}")
+    _start_generation(
+        s, obs, cfg, now, events, durable, f"restart {s.restarts} of {cfg.max_restarts}"
+    )
 
 
 def _start_generation(
-    s: JobState, now: float, events: list[Event], ckpt_step: int | None, why: str
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    now: float,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+    why: str,
 ) -> None:
+    point, tiers = restore_point(s, obs, cfg, durable)
+    ckpt_step = point[0] if point else None
     s.generation += 1
     s.master_port = None
     s.restore_step = ckpt_step
+    s.restore_gen = point[1] if point else None
     for n in s.assignment:
         s.pools[n] = Pool.RUNNING
     s.gen_incarnations = {n: s.incarnations.get(n, "") for n in s.assignment}
     if s.recovery is not None:
         s.recovery.to_generation = s.generation
         s.recovery.restore_step = ckpt_step
+        s.recovery.restore_tiers = tiers
+        gen_lost = s.recovery.fault.generation
+        s.recovery.steps_lost = max(0, s.max_step.get(gen_lost, 0) - (ckpt_step or 0))
     events.append(
         (
             "generation_started",
-            {"generation": s.generation, "assignment": s.assignment, "restore_step": ckpt_step},
+            {
+                "generation": s.generation,
+                "assignment": s.assignment,
+                "restore_step": ckpt_step,
+                "restore_generation": s.restore_gen,
+                "restore_tiers": tiers,
+            },
         )
     )
     _goto(s, Phase.RENDEZVOUS, now, events, why)
@@ -491,7 +545,16 @@ def desired_for(
     if s.phase.terminal:
         return {"action": "shutdown", "reason": s.reason, "phase": s.phase.value}
     rank = s.assignment.get(node_id)
-    idle = {"action": "idle", "nproc_per_node": cfg.nproc_per_node}
+    idle = {
+        "action": "idle",
+        "nproc_per_node": cfg.nproc_per_node,
+        "ckpt": {
+            "dir": cfg.ckpt_dir,
+            "shm_dir": cfg.shm_dir,
+            "keep": cfg.keep_checkpoints,
+            "memory_tier": cfg.memory_tier,
+        },
+    }
     if rank is None or _rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
@@ -512,6 +575,13 @@ def desired_for(
         "master_port": s.master_port,
         "host_store": rank == 0,
         "restore_step": s.restore_step,
+        "restore_gen": s.restore_gen,
+        "ckpt": {
+            "dir": cfg.ckpt_dir,
+            "shm_dir": cfg.shm_dir,
+            "keep": cfg.keep_checkpoints,
+            "memory_tier": cfg.memory_tier,
+        },
         "restarts": s.restarts,
         "max_restarts": cfg.max_restarts,
         "injects": injects,

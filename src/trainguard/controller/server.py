@@ -167,6 +167,7 @@ class Controller:
             stopped_generation=int(body.get("stopped_generation", -1)),
             stopped_at=body.get("stopped_at"),
             cleaned_at=body.get("cleaned_at"),
+            memory={int(r): [tuple(p) for p in v] for r, v in (body.get("memory") or {}).items()},
             store=tuple(store) if store else None,  # type: ignore[arg-type]
         )
         for ev in body.get("events", []):
@@ -226,17 +227,22 @@ class Controller:
             self.state.recovery = None
 
     # ------------------------------------------------------------------ tick
-    def _ckpt_step(self) -> int | None:
-        root = Path(self.cfg.run_dir) / "checkpoints"
-        for step in reversed(storage.list_committed(root)):
+    def _durable(self) -> list[tuple[int, int]]:
+        """Verified committed (step, generation) pairs of the durable tier (each verified once)."""
+        root = Path(self.cfg.ckpt_dir)
+        out = []
+        for step in storage.list_committed(root):
             if step not in self._verified:
                 problems = storage.verify(root, step)
                 self._verified[step] = not problems
                 if problems:
-                    self.store.record("checkpoint_corrupt", {"step": step, "problems": problems})
+                    self.store.record(
+                        "checkpoint_corrupt",
+                        {"step": step, "tier": "durable", "problems": problems},
+                    )
             if self._verified[step]:
-                return step
-        return None
+                out.append((step, storage.committed_generation(root, step)))
+        return out
 
     def _tick(self) -> None:
         if self.state.phase.terminal and self._done.is_set():
@@ -248,7 +254,7 @@ class Controller:
             Phase.REPLACING,
             Phase.WAITING_FOR_NODES,
         )
-        ckpt = self._ckpt_step() if needs_ckpt else None
+        ckpt = self._durable() if needs_ckpt else []
         new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
         for kind, data in events:
             self.store.record(kind, data)

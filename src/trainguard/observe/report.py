@@ -75,6 +75,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
                 "to_generation": r["to_generation"],
                 "restore_step": r["restore_step"],
                 "steps_lost": r["steps_lost"],
+                "restore_tiers": r.get("restore_tiers", {}),
                 "replaced": r.get("replaced", {}),
                 "phases_s": r["durations_s"],
             }
@@ -92,7 +93,7 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps(rep, indent=2))
         return 0
-    con = Console()
+    con = Console(width=max(Console().width, 132))
     con.print(f"[bold]trainguard report[/] {rep['run_dir']}")
     con.print(f"job: {rep['phase']}  {rep['reason']}")
     con.print(
@@ -114,12 +115,14 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         )
     con.print(faults)
     rec = Table(title=f"recoveries: {len(rep['recoveries'])} (seconds per phase)")
-    for col in ("gen", "restore", "lost", *PHASES):
+    for col in ("gen", "restore", "from", "lost", *PHASES):
         rec.add_column(col, justify="right")
     for r in rep["recoveries"]:
+        tiers = r.get("restore_tiers") or {}
         rec.add_row(
             f"{r['from_generation']}→{r['to_generation']}",
             str(r["restore_step"]),
+            f"mem {tiers.get('memory', 0)}/disk {tiers.get('durable', 0)}" if tiers else "—",
             str(r["steps_lost"]),
             *(_fmt(r["phases_s"].get(p)) for p in PHASES),
         )
@@ -153,5 +156,5 @@ def print_events(run_dir: Path, *, as_json: bool) -> int:
             str(e.get("rank", "")),
             json.dumps(detail, default=str)[:100],
         )
-    Console().print(table)
+    Console(width=max(Console().width, 132)).print(table)
     return 0

@@ -15,5 +15,13 @@ ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"  # step every rank restores, "" for
 ENV_CKPT_DIR = "TRAINGUARD_CKPT_DIR"  # durable checkpoint directory
 ENV_INJECT = "TRAINGUARD_INJECT"  # JSON list of armed InjectSpec (faults/inject.py)
 ENV_HEARTBEAT_S = "TRAINGUARD_HEARTBEAT_S"  # runtime heartbeat period in seconds
+ENV_RESTORE_GEN = "TRAINGUARD_RESTORE_GEN"  # generation that wrote the agreed restore step
+ENV_CKPTD = (
+    "TRAINGUARD_CKPTD"  # abstract socket name of the node's ckptd ("" = in-process persister)
+)
+ENV_SHM_DIR = "TRAINGUARD_SHM_DIR"  # where snapshot slots live (default /dev/shm)
+ENV_MEMORY_TIER = "TRAINGUARD_MEMORY_TIER"  # "0" = durable-only checkpoints
+ENV_JOB_ID = "TRAINGUARD_JOB_ID"  # short job id (names shm slots)
+ENV_NODE_ID = "TRAINGUARD_NODE_ID"  # this node's id
 
 DEFAULT_HEARTBEAT_S = 0.5

@@ -113,6 +113,12 @@ class Runtime:
         for spec in self._injects:
             self._maybe_fire(spec, step, duration)
 
+    def keepalive(self) -> None:
+        """Tell the agent this rank is busy but not hung (e.g. waiting, under its own deadline,
+        for a checkpoint to become durable): resets its hang timer without a new step."""
+        if self._agent is not None:
+            self._queue.put({"t": "alive"})
+
     def event(self, kind: str, **data: Any) -> None:
         """Send a structured event (e.g. ``ckpt_load_end``) to the agent, off the training thread."""
         if self._agent is not None:

@@ -1,0 +1,207 @@
+"""ckptd: the node's checkpoint daemon (the seed's hyckptd), a child of the agent.
+
+Owns the node's shared-memory snapshot slots (``<shm>/trainguard-<job>-<node>-r<rank>-s<0|1>``),
+persists staged snapshots in the background (persister.py) and reports the memory
+tier. It outlives worker crashes; when it is restarted it re-adopts the slots that
+are still complete and verify.
+
+Protocol: JSON lines over a Unix stream socket in the abstract namespace
+(``\\0trainguard-ckptd-<job>-<node>``); only peers with our uid are served (SO_PEERCRED).
+
+- ``{"op": "alloc", "rank": r, "nbytes": n}`` → ``{"slots": [path0, path1]}`` or ``{"error": …}``
+- ``{"op": "staged", "rank", "slot", "step", "generation", "durable", "world_size"}`` → ``{"ok": true}``
+- ``{"op": "wait_durable", "step", "timeout_s"}`` → ``{"durable": bool}``
+- ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "events": […]}`` (events drained)
+- ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint import snapshot
+from trainguard.checkpoint.api import CheckpointError
+
+__all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name"]
+from trainguard.checkpoint.persister import Persister
+
+log = logging.getLogger("trainguard.ckptd")
+
+
+def socket_name(job: str, node: str) -> str:
+    """The daemon's socket as ``@name`` (printable, fits in an environment variable)."""
+    return f"@trainguard-ckptd-{job}-{node}"
+
+
+def _address(name: str) -> str:
+    """``@name`` → Linux abstract-namespace address (leading NUL)."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+class Ckptd:
+    def __init__(self, *, job: str, node: str, ckpt_dir: Path, shm_dir: Path, keep: int) -> None:
+        self.job, self.node, self.shm_dir = job, node, shm_dir
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.persister = Persister(ckpt_dir, keep=keep, emit=self._emit)
+        self._stop = threading.Event()
+        self._unlink = False
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(_address(socket_name(job, node)))
+        self.sock.listen(64)
+        self.sock.settimeout(0.2)
+        for path in sorted(shm_dir.glob(f"trainguard-{job}-{node}-r*-s[01]")):
+            rank = int(path.name.rsplit("-r", 1)[1].split("-")[0])
+            self.persister.adopt(rank, path)
+
+    def _emit(self, kind: str, **data: Any) -> None:
+        with self._lock:
+            self._events.append({"kind": kind, "ts": time.time(), "node": self.node, **data})
+
+    def slots(self) -> list[Path]:
+        return sorted(self.shm_dir.glob(f"trainguard-{self.job}-{self.node}-*"))
+
+    def serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(
+                target=self._client, args=(conn,), name="ckptd-client", daemon=True
+            ).start()
+        self.sock.close()
+        self.persister.close(timeout_s=60.0)
+        if self._unlink:
+            for path in self.slots():
+                path.unlink(missing_ok=True)
+
+    def _client(self, conn: socket.socket) -> None:
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if uid != os.getuid():
+            log.warning("rejected a client with uid %d", uid)
+            conn.close()
+            return
+        with conn, conn.makefile("rwb") as f:
+            for line in f:
+                try:
+                    reply = self._handle(json.loads(line))
+                except (KeyError, ValueError, CheckpointError) as e:
+                    reply = {"error": str(e)}
+                f.write(json.dumps(reply).encode() + b"\n")
+                f.flush()
+                if self._stop.is_set():
+                    return
+
+    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req["op"]
+        if op == "alloc":
+            paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, int(req["rank"]))
+            for p in paths:
+                snapshot.create_slot(p, int(req["nbytes"]))
+            return {"slots": [str(p) for p in paths]}
+        if op == "staged":
+            self.persister.staged(
+                int(req["rank"]),
+                Path(req["slot"]),
+                int(req["step"]),
+                int(req["generation"]),
+                bool(req["durable"]),
+            )
+            return {"ok": True}
+        if op == "wait_durable":
+            return {
+                "durable": self.persister.wait_durable(int(req["step"]), float(req["timeout_s"]))
+            }
+        if op == "status":
+            with self._lock:
+                events, self._events = self._events, []
+            return {
+                "memory": {str(r): v for r, v in self.persister.memory_index().items()},
+                "events": events,
+                "idle": self.persister.idle(),
+            }
+        if op == "shutdown":
+            self._unlink = bool(req.get("unlink"))
+            self._stop.set()
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r}")
+
+
+class CkptdClient:
+    """A connection to the node's ckptd. Every call has a deadline (``timeout_s``)."""
+
+    def __init__(self, name: str, *, timeout_s: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(_address(name))
+        self.f = self.sock.makefile("rwb")
+        self._lock = threading.Lock()
+
+    def call(self, req: dict[str, Any], *, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Send one request, wait for its reply. Raises CheckpointError on an error reply or
+        a dead daemon, OSError/TimeoutError past the deadline."""
+        with self._lock:
+            self.sock.settimeout(timeout_s)
+            self.f.write(json.dumps(req).encode() + b"\n")
+            self.f.flush()
+            line = self.f.readline()
+        if not line:
+            raise CheckpointError("ckptd closed the connection (it died or is restarting)")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise CheckpointError(reply["error"])
+        return reply
+
+    def close(self) -> None:
+        self.f.close()
+        self.sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainguard-ckptd")
+    p.add_argument("--job", required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--ckpt-dir", type=Path, required=True)
+    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    p.add_argument("--keep", type=int, default=2)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s ckptd[{args.node}] %(levelname)s %(message)s",
+    )
+    parent = int(os.environ.get("TRAINGUARD_AGENT_PID", "0"))
+    if parent:  # a power loss takes the node's memory with it: die with the agent
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            return 1
+    d = Ckptd(
+        job=args.job, node=args.node, ckpt_dir=args.ckpt_dir, shm_dir=args.shm_dir, keep=args.keep
+    )
+    signal.signal(signal.SIGTERM, lambda *_: d._stop.set())
+    log.info(
+        "serving %s; %d slot(s) adopted",
+        args.node,
+        sum(len(v) for v in d.persister.memory_index().values()),
+    )
+    d.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

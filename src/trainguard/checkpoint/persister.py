@@ -1,0 +1,356 @@
+"""The persister: from staged shared-memory snapshots to committed durable checkpoints.
+
+Runs inside ckptd (one per node) or, outside ``trainguard run``, inside the training
+process. For each staged snapshot, newest first (older staged steps of the same rank
+are skipped when persistence falls behind):
+
+1. takes a shared ``flock`` on the slot (the writer holds an exclusive one while it
+   copies), checks the header, computes xxh3_64 of every tensor → ``<slot>.sum``:
+   the snapshot is now a *verified* memory-tier copy;
+2. writes the rank's part with ``torch.distributed.checkpoint`` (single process) to
+   ``<root>/.tmp-step_<N>-gen<G>/rank_<r>/`` and fsyncs it, then a ``.done`` marker
+   listing its files with their checksums;
+3. the committer (whoever persists rank 0) waits for every rank's ``.done``, merges
+   the per-rank DCP metadata into one global ``.metadata`` (keys are disjoint: rank 0
+   holds the replicated state, rank r its ``per_rank.<r>``), writes the manifest and
+   renames the directory to ``step_<N>`` — plain ``dcp.load`` reads it.
+
+Failures (disk full, a torn slot) are events; the memory tier keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from trainguard.checkpoint import snapshot, storage
+from trainguard.checkpoint.api import DCP_METADATA
+
+log = logging.getLogger("trainguard.persister")
+DONE = ".done"
+Emit = Callable[..., None]
+
+
+# DCP wraps a rank's write error in CheckpointException, a BaseException subclass.
+WRITE_ERRORS = (OSError, RuntimeError, CheckpointException)
+
+
+def describe_write_error(e: BaseException, directory: Path, needed: int) -> str:
+    """One line: the error, and the free space when the disk is the likely cause (a full disk
+    surfaces from torch's zip writer as 'unexpected pos', not as ENOSPC)."""
+    first = next(
+        (ln for ln in str(e).splitlines() if ln.strip() and "Traceback" not in ln), type(e).__name__
+    )
+    try:
+        st = os.statvfs(directory)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return first[:300]
+    if free < needed:
+        return f"No space left on device at {directory}: {free} bytes free, the part needs ~{needed} ({first[:160]})"
+    return first[:300]
+
+
+def write_part(
+    part: Path, tensors: dict[str, Any], objects: dict[str, Any], mappings: dict[str, list[Any]]
+) -> dict[str, dict[str, object]]:
+    """One rank's state as a single-process DCP checkpoint in ``part``; returns its file sums.
+    ``mappings``: DCP flatten mappings (key → nested path), kept for the merged metadata.
+
+    Raises OSError (e.g. ENOSPC) or RuntimeError from DCP on a failed write; ``part`` is
+    removed then.
+    """
+    if part.exists():
+        shutil.rmtree(part)
+    part.mkdir(parents=True)
+    try:
+        writer = dcp.FileSystemWriter(str(part), single_file_per_rank=True, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save({**tensors, **objects}, storage_writer=writer, no_dist=True)
+        sums = storage.file_sums(part, prefix=f"{part.name}/")
+        tmp = part / (DONE + ".tmp")
+        tmp.write_text(json.dumps({"files": sums, "mappings": mappings}))
+        os.replace(tmp, part / DONE)
+        return sums
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+
+
+def merge_and_commit(tmp: Path, root: Path, step: int, generation: int, world_size: int) -> Path:
+    """Merge every ``rank_<r>/.metadata`` into ``tmp/.metadata`` and commit the step."""
+    merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
+    files: dict[str, dict[str, object]] = {}
+    for r in range(world_size):
+        part = tmp / f"rank_{r}"
+        with open(part / DCP_METADATA, "rb") as f:
+            md: Metadata = pickle.load(f)  # written by our own persister on this filesystem
+        merged.state_dict_metadata.update(md.state_dict_metadata)
+        done = json.loads((part / DONE).read_text())
+        merged.planner_data.update({k: tuple(v) for k, v in done["mappings"].items()})
+        for index, info in (md.storage_data or {}).items():
+            info.relative_path = f"{part.name}/{info.relative_path}"
+            merged.storage_data[index] = info
+        files.update(done["files"])
+    meta_tmp = tmp / (DCP_METADATA + ".tmp")
+    with open(meta_tmp, "wb") as f:
+        pickle.dump(merged, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(meta_tmp, tmp / DCP_METADATA)
+    files[DCP_METADATA] = {
+        "size": (tmp / DCP_METADATA).stat().st_size,
+        "xxh3_64": storage.file_digest(tmp / DCP_METADATA),
+    }
+    return storage.commit(tmp, root, step, generation=generation, files=files)
+
+
+class Persister:
+    """Persists staged snapshots of some ranks; commits steps when it persists rank 0.
+
+    Ordering: snapshots flagged ``durable`` in their header (the writer chose them by step
+    number, so every rank agrees) are persisted in order and never skipped; memory-only
+    snapshots are checksummed, newest first, older ones skipped.
+
+    Args:
+        root: durable checkpoint directory.
+        keep: committed steps retained.
+        emit: ``emit(kind, **data)`` for events (staged, durable, failures).
+        commit_timeout_s: how long the committer waits for the other ranks' parts.
+    """
+
+    def __init__(
+        self, root: Path, *, keep: int = 2, emit: Emit, commit_timeout_s: float = 600.0
+    ) -> None:
+        self.root, self.keep, self.emit = root, keep, emit
+        self.commit_timeout_s = commit_timeout_s
+        self._cv = threading.Condition()
+        self._pending: dict[
+            int, list[tuple[Path, int, int, bool]]
+        ] = {}  # rank → [(slot, step, gen, durable)]
+        self._commits: list[tuple[int, int, int]] = []  # (step, generation, world size)
+        self._verified: dict[int, dict[str, tuple[int, int]]] = {}  # rank → slot path → (step, gen)
+        self._closed = False
+        self._busy = 0
+        self._commits_waiting = False  # the committer is waiting for other ranks' parts
+        self._threads = [
+            threading.Thread(target=self._run, name="trainguard-persister", daemon=True),
+            threading.Thread(target=self._commit_loop, name="trainguard-committer", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ API
+    def staged(self, rank: int, slot: Path, step: int, generation: int, durable: bool) -> None:
+        """A rank finished staging ``step`` into ``slot``. Returns at once."""
+        with self._cv:
+            queue = [
+                it for it in self._pending.get(rank, []) if it[3]
+            ]  # memory-only items coalesce
+            queue.append((slot, step, generation, durable))
+            self._pending[rank] = queue
+            self._cv.notify_all()
+
+    def memory_index(self) -> dict[int, list[tuple[int, int]]]:
+        """rank → verified (step, generation) copies still held in memory (headers re-checked)."""
+        with self._cv:
+            items = [(r, p, sg) for r, v in self._verified.items() for p, sg in v.items()]
+        out: dict[int, list[tuple[int, int]]] = {}
+        for rank, path, (step, gen) in items:
+            h = snapshot.peek_header(Path(path))
+            if h is not None and (h["step"], h["generation"]) == (step, gen):
+                out.setdefault(rank, []).append((step, gen))
+            else:
+                with self._cv:
+                    self._verified.get(rank, {}).pop(path, None)
+        return {r: sorted(v) for r, v in out.items()}
+
+    def adopt(self, rank: int, slot: Path) -> None:
+        """Index an existing slot (after a ckptd restart) if it is complete and verifies."""
+        h = snapshot.peek_header(slot)
+        if h is None:
+            return
+        sums = snapshot.read_sums(slot, h["step"], h["generation"])
+        s = snapshot.Slot(slot, writable=False)
+        try:
+            if sums is not None and s.checksums(h) == sums:
+                with self._cv:
+                    self._verified.setdefault(rank, {})[str(slot)] = (h["step"], h["generation"])
+        finally:
+            s.close()
+
+    def wait_durable(self, step: int, timeout_s: float) -> bool:
+        """Until ``step`` is committed in the durable tier (by anyone) or the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while step not in storage.list_committed(self.root):
+            if time.monotonic() >= deadline:
+                return False
+            with self._cv:
+                self._cv.wait(timeout=0.05)
+        return True
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not any(self._pending.values()) and not self._commits and not self._busy
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish pending persistence (bounded by ``timeout_s``), give up commits still waiting
+        for other ranks' parts, and stop the threads."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cv:
+                persisting = any(self._pending.values()) or self._busy > (
+                    1 if self._commits_waiting else 0
+                )
+            if not persisting and not self._commits:
+                break
+            time.sleep(0.01)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ threads
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not any(self._pending.values()) and not self._closed:
+                    self._cv.wait()
+                if self._closed and not any(self._pending.values()):
+                    return
+                rank = min(r for r, q in self._pending.items() if q)
+                slot, step, gen, durable = self._pending[rank].pop(0)
+                self._busy += 1
+            try:
+                self._persist_one(rank, slot, step, gen, durable)
+            except (
+                Exception,
+                CheckpointException,
+            ) as e:  # one bad snapshot must not stop the persister
+                log.exception("persisting rank %d step %d failed", rank, step)
+                self.emit(
+                    "ckpt_persist_failed", rank=rank, step=step, reason=f"{type(e).__name__}: {e}"
+                )
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+    def _persist_one(self, rank: int, slot_path: Path, step: int, gen: int, durable: bool) -> None:
+        with open(slot_path, "rb") as lockf:
+            if durable:  # the writer never overwrites an unpersisted durable snapshot: wait for its brief lock
+                fcntl.flock(lockf, fcntl.LOCK_SH)
+            else:
+                try:
+                    fcntl.flock(lockf, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return  # the writer is overwriting this memory-only snapshot with a newer step
+            slot = snapshot.Slot(slot_path, writable=False)
+            try:
+                h = slot.header()
+                if h is None or (h["step"], h["generation"]) != (step, gen):
+                    return
+                sums = slot.checksums(h)
+                snapshot.write_sums(slot_path, step, gen, sums, persisted=not durable)
+                with self._cv:
+                    self._verified.setdefault(rank, {})[str(slot_path)] = (step, gen)
+                self.emit("ckpt_staged", rank=rank, step=step, snapshot_generation=gen)
+                if not durable:
+                    return
+                tensors, blob = slot.views(h)
+                objects = pickle.loads(blob)  # written by our own worker into this node's memory
+                t0 = time.time()
+                part = storage.tmp_dir(self.root, step, gen) / f"rank_{rank}"
+                try:
+                    write_part(part, tensors, objects, h.get("mappings", {}))
+                except WRITE_ERRORS as e:
+                    needed = sum(int(t.numel() * t.element_size()) for t in tensors.values()) + len(
+                        blob
+                    )
+                    self.emit(
+                        "ckpt_persist_failed",
+                        rank=rank,
+                        step=step,
+                        reason=describe_write_error(e, self.root, needed),
+                        hint="the memory tier still serves; free disk space for durable checkpoints",
+                    )
+                    return
+                finally:
+                    snapshot.write_sums(
+                        slot_path, step, gen, sums, persisted=True
+                    )  # the slot may be reused
+                    del tensors
+                self.emit("ckpt_part_durable", rank=rank, step=step, duration_s=time.time() - t0)
+            finally:
+                slot.close()
+        if rank == 0:
+            with self._cv:
+                self._commits.append((step, gen, int(h["world_size"])))
+                self._cv.notify_all()
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commits and not self._closed:
+                    self._cv.wait()
+                if not self._commits:
+                    return
+                step, gen, world = self._commits.pop(0)
+                self._busy += 1
+            try:
+                self._commit(step, gen, world)
+            except (Exception, CheckpointException) as e:  # report, keep committing later steps
+                log.exception("committing step %d failed", step)
+                self.emit("ckpt_commit_failed", step=step, reason=f"{type(e).__name__}: {e}")
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+    def _commit(self, step: int, gen: int, world_size: int) -> None:
+        tmp = storage.tmp_dir(self.root, step, gen)
+        deadline = time.monotonic() + self.commit_timeout_s
+        parts = [tmp / f"rank_{r}" / DONE for r in range(world_size)]
+        self._commits_waiting = True
+        try:
+            self._await_parts(parts, tmp, deadline, step)
+        finally:
+            self._commits_waiting = False
+        if not all(p.exists() for p in parts):
+            return
+        t0 = time.time()
+        with contextlib.suppress(FileExistsError):
+            merge_and_commit(tmp, self.root, step, gen, world_size)
+            storage.prune(self.root, self.keep, committed_step=step, generation=gen)
+            self.emit("ckpt_durable", step=step, snapshot_generation=gen, commit_s=time.time() - t0)
+        with self._cv:
+            self._cv.notify_all()
+
+    def _await_parts(self, parts: list[Path], tmp: Path, deadline: float, step: int) -> None:
+        while not all(p.exists() for p in parts):
+            if time.monotonic() > deadline or not tmp.exists() or self._closed:
+                self.emit(
+                    "ckpt_commit_abandoned",
+                    step=step,
+                    reason="the other ranks' parts did not arrive in time",
+                )
+                return
+            with self._cv:
+                self._cv.wait(timeout=0.02)

@@ -1,0 +1,326 @@
+"""In-memory snapshots: one rank's state in a pre-allocated shared-memory slot.
+
+A slot is a file in ``/dev/shm`` (owned by the node's ckptd, mapped by the worker):
+
+    [0, 32)           magic "TGSNAP01" | state ("WRITING\\0" or "COMPLETE") | len | xxh64
+    [32, reserve)     the header: JSON with step, generation, rank and the layout
+    [reserve, end)    tensors, each 64-byte aligned, then the pickled non-tensor objects
+
+A writer sets the state to WRITING before it touches the data and to COMPLETE only
+after the data and the header are in place, so a writer killed mid-copy leaves a
+slot that readers see as torn. Checksums (xxh3_64 per tensor and of the object
+blob) are computed by the persister after staging, off the training thread, and
+kept beside the slot in ``<slot>.sum``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import mmap
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from trainguard.checkpoint.api import CheckpointCorruptError, CheckpointError
+
+MAGIC = b"TGSNAP01"
+WRITING = b"WRITING\0"
+COMPLETE = b"COMPLETE"
+PREFIX_BYTES = 32
+ALIGN = 64
+CHUNK_BYTES = 1 << 20  # fused verify+copy works in cache-sized chunks
+# Readers map slots read-only on purpose; torch warns that it cannot mark such tensors read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TensorEntry:
+    key: str  # flattened DCP key, e.g. "train.model.tok.weight"
+    dtype: str  # e.g. "float32"
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the slot
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Where each tensor lives in a slot. Same tensor keys/shapes/dtypes → same layout."""
+
+    tensors: tuple[TensorEntry, ...]
+    objects_offset: int
+    objects_capacity: int
+    total_bytes: int
+
+    @staticmethod
+    def plan(tensors: dict[str, torch.Tensor], objects_bytes: int) -> Layout:
+        header_guess = PREFIX_BYTES + 256 + sum(len(k) + 96 for k in tensors)
+        reserve = _align(max(64 << 10, 2 * header_guess))
+        offset, entries = reserve, []
+        for key, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            entries.append(
+                TensorEntry(
+                    key=key,
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    shape=tuple(t.shape),
+                    offset=offset,
+                    nbytes=nbytes,
+                )
+            )
+            offset = _align(offset + nbytes)
+        capacity = _align(max(64 << 10, 2 * objects_bytes))
+        return Layout(
+            tensors=tuple(entries),
+            objects_offset=offset,
+            objects_capacity=capacity,
+            total_bytes=offset + capacity,
+        )
+
+    def fits(self, tensors: dict[str, torch.Tensor], objects_bytes: int) -> bool:
+        if objects_bytes > self.objects_capacity or len(tensors) != len(self.tensors):
+            return False
+        return all(
+            e.key == k
+            and e.shape == tuple(t.shape)
+            and e.dtype == str(t.dtype).removeprefix("torch.")
+            for e, (k, t) in zip(self.tensors, tensors.items(), strict=True)
+        )
+
+
+def _view(buf: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    return buf[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+
+
+class Slot:
+    """One mapped slot file. ``writable`` maps it shared read-write (MAP_POPULATE: pre-faulted)."""
+
+    def __init__(self, path: Path, *, writable: bool) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < PREFIX_BYTES:
+                raise CheckpointError(f"{path}: slot of {size} bytes is too small")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8) if writable else None
+
+    def close(self) -> None:
+        self.buf = None
+        with contextlib.suppress(
+            BufferError
+        ):  # a tensor still views it: unmapped when that tensor dies
+            self.mm.close()
+
+    # ------------------------------------------------------------------ writer side
+    def begin(self) -> None:
+        self.mm[8:16] = WRITING
+
+    def write_tensors(self, layout: Layout, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy every tensor into its place (one memcpy each; releases the GIL)."""
+        assert self.buf is not None
+        with torch.no_grad():
+            for e, t in zip(layout.tensors, tensors.values(), strict=True):
+                _view(self.buf, e).copy_(t.detach())
+
+    def commit(self, layout: Layout, objects_blob: bytes, meta: dict[str, Any]) -> None:
+        """Write the objects and the header, then mark the slot COMPLETE."""
+        o = layout.objects_offset
+        self.mm[o : o + len(objects_blob)] = objects_blob
+        header = json.dumps(
+            {**meta, "layout": dataclasses.asdict(layout), "objects_nbytes": len(objects_blob)}
+        ).encode()
+        reserve = layout.tensors[0].offset if layout.tensors else layout.objects_offset
+        if PREFIX_BYTES + len(header) > reserve:
+            raise CheckpointError(
+                "snapshot header does not fit its reserve; the layout must be re-planned"
+            )
+        self.mm[PREFIX_BYTES : PREFIX_BYTES + len(header)] = header
+        self.mm[16:24] = len(header).to_bytes(8, "little")
+        self.mm[24:32] = xxhash.xxh64_digest(header)
+        self.mm[0:8] = MAGIC
+        self.mm[8:16] = COMPLETE
+
+    # ------------------------------------------------------------------ reader side
+    def header(self) -> dict[str, Any] | None:
+        """The header if the slot holds a complete snapshot, else None (empty or torn)."""
+        if self.mm[0:8] != MAGIC or self.mm[8:16] != COMPLETE:
+            return None
+        n = int.from_bytes(self.mm[16:24], "little")
+        if n <= 0 or PREFIX_BYTES + n > self.size:
+            return None
+        raw = self.mm[PREFIX_BYTES : PREFIX_BYTES + n]
+        if xxhash.xxh64_digest(raw) != self.mm[24:32]:
+            return None
+        return json.loads(raw)
+
+    def views(self, header: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
+        """Tensors as read-only views of the slot (exact storages, no copy) and the object blob."""
+        out = {}
+        for d in header["layout"]["tensors"]:
+            e = TensorEntry(**{**d, "shape": tuple(d["shape"])})
+            dtype = getattr(torch, e.dtype)
+            count = e.nbytes // torch.empty((), dtype=dtype).element_size()
+            t = (
+                torch.frombuffer(self.mm, dtype=dtype, count=count, offset=e.offset)
+                if count
+                else torch.empty(0, dtype=dtype)
+            )
+            out[e.key] = t.view(e.shape)
+        o, n = header["layout"]["objects_offset"], header["objects_nbytes"]
+        return out, bytes(self.mm[o : o + n])
+
+    def checksums(self, header: dict[str, Any]) -> dict[str, str]:
+        """xxh3_64 of every tensor's bytes and of the object blob (key "__objects__")."""
+        mv = memoryview(self.mm)
+        sums = {
+            d["key"]: xxhash.xxh3_64_hexdigest(mv[d["offset"] : d["offset"] + d["nbytes"]])
+            for d in header["layout"]["tensors"]
+        }
+        o, n = header["layout"]["objects_offset"], header["objects_nbytes"]
+        sums["__objects__"] = xxhash.xxh3_64_hexdigest(mv[o : o + n])
+        mv.release()
+        return sums
+
+    def restore_into(
+        self, header: dict[str, Any], sums: dict[str, str], targets: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """Verify and copy every tensor into ``targets`` (same keys), chunk by chunk, each chunk
+        hashed then copied while it is in cache. Returns the unpickled objects.
+
+        Raises CheckpointCorruptError on any checksum mismatch (targets are then partly
+        overwritten: the caller restores them from another tier).
+        """
+        mv = memoryview(self.mm)
+        src_all = torch.frombuffer(self.mm, dtype=torch.uint8)
+        try:
+            with torch.no_grad():
+                for d in header["layout"]["tensors"]:
+                    key, off, n = d["key"], d["offset"], d["nbytes"]
+                    dst = targets[key].detach()
+                    if not dst.is_contiguous() or dst.numel() * dst.element_size() != n:
+                        raise CheckpointError(
+                            f"restore target {key} does not match the snapshot's shape or dtype"
+                        )
+                    dst_bytes = dst.view(-1).view(torch.uint8)
+                    h = xxhash.xxh3_64()
+                    for a in range(0, n, CHUNK_BYTES):
+                        b = min(n, a + CHUNK_BYTES)
+                        h.update(mv[off + a : off + b])
+                        dst_bytes[a:b].copy_(src_all[off + a : off + b])
+                    if h.hexdigest() != sums.get(key):
+                        raise CheckpointCorruptError(
+                            f"{self.path}: tensor {key} fails its checksum"
+                        )
+            o, n = header["layout"]["objects_offset"], header["objects_nbytes"]
+            blob = bytes(mv[o : o + n])
+        finally:
+            del src_all
+            mv.release()
+        if xxhash.xxh3_64_hexdigest(blob) != sums.get("__objects__"):
+            raise CheckpointCorruptError(f"{self.path}: object blob fails its checksum")
+        return pickle.loads(blob)  # our own worker wrote it into this node's memory
+
+
+def sums_path(slot: Path) -> Path:
+    return slot.with_name(slot.name + ".sum")
+
+
+def write_sums(
+    slot: Path, step: int, generation: int, sums: dict[str, str], *, persisted: bool
+) -> None:
+    """Record the persister's checksums of a slot's snapshot; ``persisted``: the slot may be
+    overwritten (its durable part is written, or it never needed one)."""
+    tmp = slot.with_name(slot.name + ".sum.tmp")
+    tmp.write_text(
+        json.dumps({"step": step, "generation": generation, "sums": sums, "persisted": persisted})
+    )
+    os.replace(tmp, sums_path(slot))
+
+
+def reusable(slot: Path) -> bool:
+    """May the writer overwrite this slot? Not while it holds a durable-flagged snapshot
+    that the persister has not written yet."""
+    h = peek_header(slot)
+    if h is None or not h.get("durable"):
+        return True
+    try:
+        d = json.loads(sums_path(slot).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(d.get("persisted")) and (d.get("step"), d.get("generation")) == (
+        h["step"],
+        h["generation"],
+    )
+
+
+def peek_header(slot: Path) -> dict[str, Any] | None:
+    """A slot's header without mapping its data (None: missing, empty or torn)."""
+    try:
+        with open(slot, "rb") as f:
+            prefix = f.read(PREFIX_BYTES)
+            if len(prefix) < PREFIX_BYTES or prefix[0:8] != MAGIC or prefix[8:16] != COMPLETE:
+                return None
+            n = int.from_bytes(prefix[16:24], "little")
+            raw = f.read(n)
+    except OSError:
+        return None
+    if len(raw) != n or xxhash.xxh64_digest(raw) != prefix[24:32]:
+        return None
+    return json.loads(raw)
+
+
+def read_sums(slot: Path, step: int, generation: int) -> dict[str, str] | None:
+    try:
+        d = json.loads(sums_path(slot).read_text())
+    except (OSError, ValueError):
+        return None
+    return d["sums"] if d.get("step") == step and d.get("generation") == generation else None
+
+
+def slot_paths(shm_dir: Path, job: str, node: str, rank: int) -> tuple[Path, Path]:
+    """The two slots (double buffer) of one rank: persisting one never races staging the other."""
+    base = f"trainguard-{job}-{node}-r{rank}"
+    return shm_dir / f"{base}-s0", shm_dir / f"{base}-s1"
+
+
+def create_slot(path: Path, nbytes: int) -> None:
+    """Create (or grow) a slot file and allocate its pages now. Raises CheckpointError when
+    /dev/shm cannot hold it, naming the fix."""
+    st = os.statvfs(path.parent)
+    free = st.f_bavail * st.f_frsize
+    have = path.stat().st_size if path.exists() else 0
+    if nbytes - have > free:
+        raise CheckpointError(
+            f"{path.parent} has {free / 2**20:.0f} MiB free but a snapshot slot needs {nbytes / 2**20:.0f} MiB; "
+            "enlarge it (mount -o remount,size=… /dev/shm) or set memory_tier = false for durable-only checkpoints"
+        )
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if have < nbytes:
+            os.ftruncate(fd, nbytes)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                os.ftruncate(fd, have)
+                raise CheckpointError(
+                    f"{path}: cannot allocate {nbytes} bytes ({e.strerror}); enlarge /dev/shm "
+                    "or set memory_tier = false"
+                ) from None
+    finally:
+        os.close(fd)

@@ -1,0 +1,337 @@
+"""The checkpoint engine under real faults: each test ends with a restore of the right
+step with the right bytes (the worker checks every element against the step)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, wait_for
+from trainguard.checkpoint import snapshot, storage
+from trainguard.checkpoint.ckptd import CkptdClient, socket_name
+
+WORKER = ROOT / "tests" / "helpers" / "ckpt_worker.py"
+JOB, NODE = "testjob", "nodeA"
+
+
+def _env(
+    tmp: Path, shm: Path, *, restore: tuple[int, int] | None = None, ckptd: bool = True
+) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "TRAINGUARD_RUN_DIR": str(tmp),
+        "TRAINGUARD_JOB_ID": JOB,
+        "TRAINGUARD_NODE_ID": NODE,
+        "TRAINGUARD_SHM_DIR": str(shm),
+        "TRAINGUARD_CKPTD": socket_name(JOB, NODE) if ckptd else "",
+    }
+    if (
+        restore is not None
+    ):  # supervised: the step every rank agreed on (the agent's UDP port is a sink)
+        env.update(
+            {
+                "TRAINGUARD_AGENT_ADDR": "127.0.0.1:9",
+                "TRAINGUARD_TOKEN": "00" * 16,
+                "TRAINGUARD_RESTORE_STEP": str(restore[0]),
+                "TRAINGUARD_RESTORE_GEN": str(restore[1]),
+            }
+        )
+    return env
+
+
+def _worker(tmp: Path, shm: Path, *args: str, **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *args, "--root", str(tmp / "checkpoints")],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(tmp, shm, **kw),
+    )  # type: ignore[arg-type]
+
+
+def _load(tmp: Path, shm: Path, restore: tuple[int, int] | None, size_mb: str) -> dict[str, object]:
+    p = _worker(tmp, shm, "load", "--size-mb", size_mb, restore=restore)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _start_ckptd(tmp: Path, shm: Path) -> subprocess.Popen[bytes]:
+    d = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.checkpoint.ckptd",
+            "--job",
+            JOB,
+            "--node",
+            NODE,
+            "--ckpt-dir",
+            str(tmp / "checkpoints"),
+            "--shm-dir",
+            str(shm),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "ckptd.log", "ab"),
+    )  # noqa: SIM115
+
+    def up() -> bool:
+        with contextlib.suppress(OSError):
+            CkptdClient(socket_name(JOB, NODE), timeout_s=1.0).close()
+            return True
+        return False
+
+    wait_for(up, 30, "ckptd to listen")
+    return d
+
+
+def _status() -> dict[str, object]:
+    c = CkptdClient(socket_name(JOB, NODE))
+    try:
+        return c.call({"op": "status"})
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    """A private tmpfs for the slots (so the test can size it and never touches others')."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d)], check=True)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture
+def ckptd(tmp_path: Path, shm: Path) -> Iterator[subprocess.Popen[bytes]]:
+    d = _start_ckptd(tmp_path, shm)
+    yield d
+    with contextlib.suppress(OSError, ValueError):
+        c = CkptdClient(socket_name(JOB, NODE), timeout_s=2.0)
+        c.call({"op": "shutdown", "unlink": True})
+        c.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        d.wait(timeout=30)
+    if d.poll() is None:
+        d.kill()
+        d.wait()
+
+
+def test_restore_from_memory_and_plain_durable(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "3", "--size-mb", "8")
+    assert p.wait(timeout=120) == 0, p.stderr.read() if p.stderr else ""
+    assert storage.list_committed(tmp_path / "checkpoints") == [2, 3]  # keep = 2
+    mem = wait_for(lambda: _status()["memory"].get("0"), 10, "memory index")
+    assert [3, 0] in mem and [2, 0] in mem
+    assert _load(tmp_path, shm, (3, 0), "8") == {"step": 3, "bytes_ok": True, "pos": 30}
+
+
+def test_worker_sigkill_mid_copy_leaves_the_previous_slot_serving(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    p = _worker(
+        tmp_path,
+        shm,
+        "save",
+        "--first",
+        "1",
+        "--last",
+        "2",
+        "--size-mb",
+        "120",
+        "--durable-every",
+        "0",
+        "--stepwise",
+    )
+    assert p.stdout is not None and p.stdin is not None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    wait_for(lambda: p.stdout.readline().strip() == "saved 1", 60, "step 1 staged")
+    wait_for(lambda: [1, 0] in _status()["memory"].get("0", []), 30, "step 1 verified")
+    slots = snapshot.slot_paths(shm, JOB, NODE, 0)
+
+    def copying() -> bool:  # the writer marked a slot WRITING: it is inside the 120 MiB copy
+        for path in slots:
+            with open(path, "rb") as f:
+                if f.read(16)[8:16] == snapshot.WRITING:
+                    return True
+        return False
+
+    p.stdin.write("go\n")  # now save step 2
+    p.stdin.flush()
+    deadline = time.monotonic() + 60
+    while not copying():
+        assert time.monotonic() < deadline, "the second save never began"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
+    headers = [snapshot.peek_header(s) for s in snapshot.slot_paths(shm, JOB, NODE, 0)]
+    assert [h["step"] if h else None for h in headers] in (
+        [1, None],
+        [None, 1],
+    )  # step 2 torn, never used
+    assert _status()["memory"]["0"] == [[1, 0]]
+    assert _load(tmp_path, shm, (1, 0), "120") == {"step": 1, "bytes_ok": True, "pos": 10}
+
+
+def test_flipped_byte_in_memory_falls_back_to_the_durable_copy(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "2", "--size-mb", "4")
+    assert p.wait(timeout=120) == 0
+    slot = next(
+        s
+        for s in snapshot.slot_paths(shm, JOB, NODE, 0)
+        if (snapshot.peek_header(s) or {}).get("step") == 2
+    )
+    h = snapshot.peek_header(slot)
+    assert h is not None
+    with open(slot, "r+b") as f:  # flip one byte in the middle of the tensor
+        f.seek(h["layout"]["tensors"][0]["offset"] + 1000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert _load(tmp_path, shm, (2, 0), "4") == {"step": 2, "bytes_ok": True, "pos": 20}
+
+
+def test_flipped_byte_on_disk_is_caught_and_the_older_step_used(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "2", "--size-mb", "4")
+    assert p.wait(timeout=120) == 0
+    data = tmp_path / "checkpoints" / "step_2" / "rank_0" / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard",
+            "ckpt",
+            "verify",
+            "--run-dir",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1 and '"corrupt"' in res.stdout
+    # standalone restore (no agreed step): the newest *verified* durable step
+    assert _load(tmp_path, shm, None, "4") == {"step": 1, "bytes_ok": True, "pos": 10}
+
+
+def test_ckptd_sigkill_during_persistence(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "1", "--size-mb", "4")
+    assert p.wait(timeout=120) == 0
+    p = _worker(tmp_path, shm, "save", "--first", "2", "--last", "2", "--size-mb", "100", "--hold")
+    tmp = storage.tmp_dir(tmp_path / "checkpoints", 2, 0)
+    wait_for(lambda: (tmp / "rank_0").exists(), 60, "persistence of step 2 to begin")
+    ckptd.send_signal(signal.SIGKILL)
+    ckptd.wait(timeout=10)
+    p.kill()
+    p.wait(timeout=10)
+    assert storage.list_committed(tmp_path / "checkpoints") == [1]  # nothing torn committed
+    assert _load(tmp_path, shm, (1, 0), "4") == {"step": 1, "bytes_ok": True, "pos": 10}
+    d2 = _start_ckptd(tmp_path, shm)  # a restarted ckptd re-adopts the verified memory copies
+    try:
+        # step 2 never became durable, but its verified snapshot outlived both processes
+        assert _status()["memory"]["0"] == [[2, 0]]
+        assert _load(tmp_path, shm, (2, 0), "100") == {"step": 2, "bytes_ok": True, "pos": 20}
+    finally:
+        c = CkptdClient(socket_name(JOB, NODE))
+        c.call({"op": "shutdown", "unlink": True})
+        c.close()
+        d2.wait(timeout=60)
+
+
+def test_disk_full_keeps_training_and_the_memory_tier(tmp_path: Path, shm: Path) -> None:
+    disk = tmp_path / "checkpoints"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], check=True)
+    try:
+        d = _start_ckptd(tmp_path, shm)
+        try:
+            p = _worker(
+                tmp_path, shm, "save", "--first", "1", "--last", "4", "--size-mb", "2.5", "--hold"
+            )
+            assert p.stdout is not None
+            wait_for(lambda: p.stdout.readline().strip() == "saved 4", 60, "all saves to return")
+            events: list[dict[str, object]] = []
+            wait_for(
+                lambda: (
+                    events.extend(_status()["events"])
+                    or any(  # type: ignore[func-returns-value]
+                        e["kind"] == "ckpt_persist_failed" for e in events
+                    )
+                ),
+                60,
+                "the ENOSPC event",
+            )
+            failed = [e for e in events if e["kind"] == "ckpt_persist_failed"]
+            assert "No space left on device" in str(failed[0]["reason"])
+            p.kill()
+            p.wait(timeout=10)
+            committed = storage.list_committed(disk)
+            assert committed and all(
+                not storage.verify(disk, s) for s in committed
+            )  # nothing torn committed
+            newest_mem = max(s for s, _ in _status()["memory"]["0"])
+            assert newest_mem == 4  # the memory tier still has the newest step
+            assert _load(tmp_path, shm, (4, 0), "2.5") == {"step": 4, "bytes_ok": True, "pos": 40}
+        finally:
+            c = CkptdClient(socket_name(JOB, NODE))
+            c.call({"op": "shutdown", "unlink": True})
+            c.close()
+            d.wait(timeout=60)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_shm_too_small_is_a_clear_error_and_durable_only_mode_works(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        p = _worker(tmp_path, small, "save", "--size-mb", "4", ckptd=False)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "needs" in err and "set memory_tier = false" in err
+        env = {**_env(tmp_path, small, ckptd=False), "TRAINGUARD_MEMORY_TIER": "0"}
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(WORKER),
+                "save",
+                "--root",
+                str(tmp_path / "checkpoints"),
+                "--size-mb",
+                "4",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert storage.list_committed(tmp_path / "checkpoints") == [1]
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
