@@ -8,8 +8,8 @@ at the end of step ``--kill-step`` (after the step's all-reduce, before its
 checkpoint), so both resume from step ``kill_step - 1`` and redo step ``kill_step``.
 
 - trainguard: ``python -m trainguard run --nodes 2 --inject kill:rank=1:step=S
-  examples/gpt/train.py --ckpt-every 1 ...`` (1 worker per simulated node, DCP
-  checkpoints via ``trainguard.Checkpointer``). The fault instant is the
+  examples/gpt/train.py --ckpt-every 1 ...`` (1 worker per simulated node, a
+  ``trainguard.Checkpointer`` checkpoint every step). The fault instant is the
   ``inject_fired`` event (the worker's ``time.time()`` just before it SIGKILLs
   itself); the end is the controller's ``first_step`` mark of the new generation
   (latest end of the first step over ranks). ``trainguard report`` measures its
@@ -32,6 +32,9 @@ and trainguard_s < 5 s for the default sizes on a 2-core machine). Everything
 runs in a temporary directory that is removed at the end; every launch has a
 timeout after which its whole process tree is killed, and any process left
 behind by a launch (found by an environment marker) is killed and reported.
+CPU time used by other processes during each launch is sampled and reported
+(``foreign_cpu_share``); a run where it exceeds 5 % of the machine is flagged as
+skewed, since both sides are CPU-bound on a small machine.
 
 Run from the repository root::
 

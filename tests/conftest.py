@@ -39,7 +39,7 @@ FAST_CONFIG = """
 heartbeat_s = 0.2
 node_timeout_s = 3.0
 reboot_delay_s = 1.0
-fault_stop_grace_s = 0.5
+fault_stop_grace_s = 0.1
 stop_grace_s = 10.0
 """
 

@@ -82,8 +82,8 @@ def _start_ckptd(tmp: Path, shm: Path) -> subprocess.Popen[bytes]:
             str(shm),
         ],
         stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "ckptd.log", "ab"),
-    )  # noqa: SIM115
+        stderr=open(tmp / "ckptd.log", "ab"),  # noqa: SIM115
+    )
 
     def up() -> bool:
         with contextlib.suppress(OSError):

@@ -102,7 +102,8 @@ def test_crash_stops_cleans_and_restarts_from_checkpoint() -> None:
     assert desired_for(s, "node0", sim.obs, sim.c) == {
         "action": "stop",
         "generation": 0,
-        "grace_s": 0.5,
+        "grace_s": 0.1,
+        "dump_stacks": False,
     }
     assert sim.tick().phase == Phase.STOPPING  # waits for every live node to stop
     sim.ack_stop()
@@ -254,3 +255,17 @@ def test_config_rejects_bad_values_with_the_fix() -> None:
         cfg(nodes=0)
     with pytest.raises(ValueError, match="--hang-timeout"):
         cfg(hang_timeout_s=float("inf"))
+
+
+def test_restore_point_prefers_a_memory_copy_every_rank_holds() -> None:
+    from trainguard.controller.decide import restore_point
+
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.obs["node0"].memory = {0: [(21, 0), (22, 0)]}
+    sim.obs["node1"].memory = {1: [(20, 0), (21, 0)]}
+    assert restore_point(sim.s, sim.obs, sim.c, [(20, 0)]) == ((21, 0), {"memory": 2, "durable": 0})
+    sim.obs["node1"].memory = {}  # node1 replaced: its memory is gone, the durable copy serves
+    assert restore_point(sim.s, sim.obs, sim.c, [(20, 0)]) == ((20, 0), {"memory": 0, "durable": 2})
+    sim.obs["node1"].memory = {1: [(22, 1)]}  # same step from another generation is not the same copy
+    assert restore_point(sim.s, sim.obs, sim.c, []) == (None, {})

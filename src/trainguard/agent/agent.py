@@ -313,6 +313,11 @@ class Agent:
         elif action == "stop":
             gen = int(d["generation"])
             if self._stopped_generation < gen:
+                if d.get("dump_stacks") and self.generation == gen and self.workers:
+                    # A hang: every rank's stack, victims' too, before the kill (localization).
+                    running = {w.rank: w.proc.pid for w in self.workers.values() if w.state == "running"}
+                    self._event("stacks", generation=gen, progress={w.rank: w.step for w in self.workers.values()},
+                                stacks=wk.dump_stacks(running))
                 self._stop_workers(grace_s=float(d["grace_s"]))
                 self._stopped_generation = gen
                 self._report_now.set()

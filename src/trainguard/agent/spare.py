@@ -13,6 +13,7 @@ powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -21,10 +22,12 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 
 PR_SET_PDEATHSIG = 1
+EXIT_JOIN_S = 60.0  # how long a finished script's non-daemon threads may run on
 # Imported before the spare is handed a rank: torch itself (~1.3 s on a 2-core CPU) and
 # what a distributed training script imports next (DCP alone is ~0.8 s).
 WARM_MODULES = (
@@ -87,15 +90,36 @@ def main() -> None:
     script = spec["argv"][0]
     sys.argv = list(spec["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code: int | str | None = 0
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        code = e.code
     except BaseException as exc:
         write_error_file(spec["error_file"], exc)
         traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _exit(code: int | str | None) -> None:
+    """End the worker as a multiprocessing child does: join non-daemon threads (bounded),
+    run atexit handlers, flush, then ``os._exit``. Skipping the interpreter's final GC and
+    module teardown matters: with torch loaded it took seconds on a busy 2-core machine,
+    during which the rank looked hung."""
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+            code = 1
+        sys.stdout.flush()
         sys.stderr.flush()
-        sys.exit(1)
+        os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.checkpoint import snapshot, storage
-from trainguard.checkpoint.api import DCP_METADATA
+from trainguard.checkpoint.api import DCP_METADATA, PER_RANK_KEY
 
 log = logging.getLogger("trainguard.persister")
 DONE = ".done"
@@ -149,6 +149,7 @@ class Persister:
         self._closed = False
         self._busy = 0
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
+        self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
         self._threads = [
             threading.Thread(target=self._run, name="trainguard-persister", daemon=True),
             threading.Thread(target=self._commit_loop, name="trainguard-committer", daemon=True),
@@ -160,6 +161,7 @@ class Persister:
     def staged(self, rank: int, slot: Path, step: int, generation: int, durable: bool) -> None:
         """A rank finished staging ``step`` into ``slot``. Returns at once."""
         with self._cv:
+            self._newest_gen = max(self._newest_gen, generation)
             queue = [
                 it for it in self._pending.get(rank, []) if it[3]
             ]  # memory-only items coalesce
@@ -276,6 +278,10 @@ class Persister:
                     return
                 tensors, blob = slot.views(h)
                 objects = pickle.loads(blob)  # written by our own worker into this node's memory
+                if rank != 0:  # DCP semantics: replicated state is persisted once, from rank 0
+                    mine = f"{PER_RANK_KEY}.{rank}"
+                    tensors = {k: v for k, v in tensors.items() if k.startswith(mine)}
+                    objects = {k: v for k, v in objects.items() if k.startswith(mine)}
                 t0 = time.time()
                 part = storage.tmp_dir(self.root, step, gen) / f"rank_{rank}"
                 try:
@@ -330,7 +336,7 @@ class Persister:
         parts = [tmp / f"rank_{r}" / DONE for r in range(world_size)]
         self._commits_waiting = True
         try:
-            self._await_parts(parts, tmp, deadline, step)
+            self._await_parts(parts, tmp, deadline, step, gen)
         finally:
             self._commits_waiting = False
         if not all(p.exists() for p in parts):
@@ -343,14 +349,37 @@ class Persister:
         with self._cv:
             self._cv.notify_all()
 
-    def _await_parts(self, parts: list[Path], tmp: Path, deadline: float, step: int) -> None:
+    def _await_parts(
+        self, parts: list[Path], tmp: Path, deadline: float, step: int, gen: int
+    ) -> None:
+        """Until every rank's part exists; gives up (with an event) past the deadline, when the
+        generation died (a newer one staged), or when a newer step is already complete."""
         while not all(p.exists() for p in parts):
-            if time.monotonic() > deadline or not tmp.exists() or self._closed:
-                self.emit(
-                    "ckpt_commit_abandoned",
-                    step=step,
-                    reason="the other ranks' parts did not arrive in time",
+            with self._cv:
+                newer_gen = self._newest_gen > gen
+                newer_done = any(
+                    s > step
+                    and all(
+                        (storage.tmp_dir(self.root, s, g) / f"rank_{r}" / DONE).exists()
+                        for r in range(w)
+                    )
+                    for s, g, w in self._commits
                 )
+            if (
+                time.monotonic() > deadline
+                or not tmp.exists()
+                or self._closed
+                or newer_gen
+                or newer_done
+            ):
+                why = (
+                    "its generation ended"
+                    if newer_gen
+                    else "a newer step is complete"
+                    if newer_done
+                    else "the other ranks' parts did not arrive in time"
+                )
+                self.emit("ckpt_commit_abandoned", step=step, snapshot_generation=gen, reason=why)
                 return
             with self._cv:
                 self._cv.wait(timeout=0.02)

@@ -73,9 +73,9 @@ class JobConfig:
     )
     rendezvous_timeout_s: float = 120.0  # from generation start to every rank running
     stop_grace_s: float = 15.0  # SIGTERM → SIGKILL on a user stop (workers may save)
-    fault_stop_grace_s: float = (
-        0.5  # SIGTERM → SIGKILL when stopping a faulted generation (nothing left to save)
-    )
+    # SIGTERM → SIGKILL when stopping a faulted generation: nothing is left to save, and
+    # ranks blocked in a collective cannot act on SIGTERM anyway.
+    fault_stop_grace_s: float = 0.1
     no_progress_generations: int = 3  # generations in a row without a new checkpoint → FAILED
     user_error_generations: int = 2  # generations in a row failing before step 1 → FAILED
     memory_tier: bool = True  # snapshots in node memory (ckptd); False = synchronous DCP to disk

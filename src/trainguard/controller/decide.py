@@ -559,7 +559,8 @@ def desired_for(
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
         grace = cfg.fault_stop_grace_s if s.recovery is not None else cfg.stop_grace_s
-        return {"action": "stop", "generation": s.generation, "grace_s": grace}
+        hang = s.recovery is not None and s.recovery.fault.cause == "hang"
+        return {"action": "stop", "generation": s.generation, "grace_s": grace, "dump_stacks": hang}
     if s.phase not in _ACTIVE_GEN:
         return idle
     master = next(n for n, r in s.assignment.items() if r == 0)
