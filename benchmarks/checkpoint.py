@@ -86,36 +86,9 @@ def disk_bandwidth(d: Path, nbytes: int) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def ckptd(tmp: Path, shm: Path, ckpt_dir: Path) -> Iterator[None]:
-    from trainguard.checkpoint.ckptd import CkptdClient, socket_name
+    from trainguard.checkpoint.ckptd import CkptdClient, socket_name, spawn
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainguard.checkpoint.ckptd",
-            "--job",
-            JOB,
-            "--node",
-            NODE,
-            "--ckpt-dir",
-            str(ckpt_dir),
-            "--shm-dir",
-            str(shm),
-            "--keep",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "ckptd.log", "ab"),  # noqa: SIM115
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            CkptdClient(socket_name(JOB, NODE), timeout_s=1.0).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("ckptd did not start; see ckptd.log") from None
-            time.sleep(0.05)
+    proc = spawn(job=JOB, node=NODE, ckpt_dir=ckpt_dir, shm_dir=shm, keep=1, log=tmp / "ckptd.log")
     try:
         yield
     finally:

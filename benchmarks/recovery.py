@@ -62,19 +62,11 @@ from typing import Any
 
 import psutil
 
+from trainguard.observe.report import PHASES
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 BASELINE = Path(__file__).resolve().parent / "torchrun_train.py"
-PHASES = (
-    "detect",
-    "stop",
-    "clean",
-    "replace",
-    "rendezvous",
-    "load_checkpoint",
-    "first_step",
-    "total",
-)
 MARKER_ENV = "TRAINGUARD_BENCH_MARKER"
 FOREIGN_CPU_WARN = 0.05  # warn when other processes used this share of the CPUs during a launch
 TARGET_RATIO = 0.5

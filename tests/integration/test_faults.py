@@ -75,7 +75,10 @@ def test_sigstop_of_a_worker_is_a_hang(tmp_path: Path) -> None:
     assert [(f["cause"], f["rank"]) for f in rep["faults"]] == [("hang", 1)]
     assert rep["recoveries"][0]["phases_s"]["detect"] >= 3.0
     stacks = {
-        r: t for e in events(run) if e["kind"] in ("hang_suspected", "stacks") for r, t in e["stacks"].items()
+        r: t
+        for e in events(run)
+        if e["kind"] in ("hang_suspected", "stacks")
+        for r, t in e["stacks"].items()
     }
     # py-spy dumps of every rank ride on the events: the victim's (waiting in a collective,
     # in backward's DDP all-reduce or the loss all-reduce) and the frozen culprit's.

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import ROOT, wait_for
 from trainguard.checkpoint import snapshot, storage
-from trainguard.checkpoint.ckptd import CkptdClient, socket_name
+from trainguard.checkpoint.ckptd import CkptdClient, socket_name, spawn
 
 WORKER = ROOT / "tests" / "helpers" / "ckpt_worker.py"
 JOB, NODE = "testjob", "nodeA"
@@ -67,32 +67,9 @@ def _load(tmp: Path, shm: Path, restore: tuple[int, int] | None, size_mb: str) -
 
 
 def _start_ckptd(tmp: Path, shm: Path) -> subprocess.Popen[bytes]:
-    d = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainguard.checkpoint.ckptd",
-            "--job",
-            JOB,
-            "--node",
-            NODE,
-            "--ckpt-dir",
-            str(tmp / "checkpoints"),
-            "--shm-dir",
-            str(shm),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "ckptd.log", "ab"),  # noqa: SIM115
+    return spawn(
+        job=JOB, node=NODE, ckpt_dir=tmp / "checkpoints", shm_dir=shm, keep=2, log=tmp / "ckptd.log"
     )
-
-    def up() -> bool:
-        with contextlib.suppress(OSError):
-            CkptdClient(socket_name(JOB, NODE), timeout_s=1.0).close()
-            return True
-        return False
-
-    wait_for(up, 30, "ckptd to listen")
-    return d
 
 
 def _status() -> dict[str, object]:
@@ -335,3 +312,27 @@ def test_shm_too_small_is_a_clear_error_and_durable_only_mode_works(tmp_path: Pa
         assert storage.list_committed(tmp_path / "checkpoints") == [1]
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_ckptd_killed_under_run_is_restarted_and_training_goes_on(tmp_path: Path) -> None:
+    from tests.conftest import TINY, events, losses, reached_step, start_job
+
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2"], [*TINY, "--steps", "120", "--durable-every", "10"])
+    wait_for(lambda: reached_step(run, 20), 90, "step 20")
+
+    def ckptd_pid() -> int | None:
+        out = subprocess.run(
+            ["pgrep", "-f", f"trainguard.checkpoint.ckptd .*--node node0 --ckpt-dir {run}"],
+            capture_output=True,
+            text=True,
+        )
+        return int(out.stdout.split()[0]) if out.stdout.split() else None
+
+    os.kill(wait_for(ckptd_pid, 30, "node0's ckptd"), signal.SIGKILL)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    kinds = [e["kind"] for e in events(run)]
+    assert "ckptd_restarted" in kinds and "fault" not in kinds  # no worker noticed beyond a retry
+    assert sorted(losses(run)) == list(range(1, 121))
+    assert max(storage.list_committed(run / "checkpoints")) == 120

@@ -216,38 +216,18 @@ class Agent:
         else:
             self._event("ckptd_restarted", exit_code=self._ckptd.returncode)
         self._ckpt_cfg = ckpt
-        log_f = open(self.cfg.run_dir / "logs" / f"ckptd.{self.cfg.node_id}.log", "ab")  # noqa: SIM115
-        self._ckptd = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainguard.checkpoint.ckptd",
-                "--job",
-                self.job_id,
-                "--node",
-                self.cfg.node_id,
-                "--ckpt-dir",
-                str(ckpt["dir"]),
-                "--shm-dir",
-                str(ckpt["shm_dir"]),
-                "--keep",
-                str(ckpt["keep"]),
-            ],
-            stdout=log_f,
-            stderr=log_f,
-            env={**os.environ, "TRAINGUARD_AGENT_PID": str(os.getpid())},
-        )
-        log_f.close()
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline and self._ckptd.poll() is None:
-            try:
-                ckptd_mod.CkptdClient(
-                    ckptd_mod.socket_name(self.job_id, self.cfg.node_id), timeout_s=1.0
-                ).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        log.error("ckptd did not come up; see logs/ckptd.%s.log", self.cfg.node_id)
+        try:
+            self._ckptd = ckptd_mod.spawn(
+                job=self.job_id,
+                node=self.cfg.node_id,
+                ckpt_dir=Path(ckpt["dir"]),
+                shm_dir=Path(ckpt["shm_dir"]),
+                keep=int(ckpt["keep"]),
+                log=self.cfg.run_dir / "logs" / f"ckptd.{self.cfg.node_id}.log",
+                env={**os.environ, "TRAINGUARD_AGENT_PID": str(os.getpid())},
+            )
+        except ckptd_mod.CheckpointError as e:
+            log.error("%s", e)  # workers fail on their first save and report it; retried next loop
 
     def _ckptd_status(self) -> None:
         """Memory-tier index and ckptd events, for the next report (called by the report thread)."""
@@ -315,9 +295,15 @@ class Agent:
             if self._stopped_generation < gen:
                 if d.get("dump_stacks") and self.generation == gen and self.workers:
                     # A hang: every rank's stack, victims' too, before the kill (localization).
-                    running = {w.rank: w.proc.pid for w in self.workers.values() if w.state == "running"}
-                    self._event("stacks", generation=gen, progress={w.rank: w.step for w in self.workers.values()},
-                                stacks=wk.dump_stacks(running))
+                    running = {
+                        w.rank: w.proc.pid for w in self.workers.values() if w.state == "running"
+                    }
+                    self._event(
+                        "stacks",
+                        generation=gen,
+                        progress={w.rank: w.step for w in self.workers.values()},
+                        stacks=wk.dump_stacks(running),
+                    )
                 self._stop_workers(grace_s=float(d["grace_s"]))
                 self._stopped_generation = gen
                 self._report_now.set()
@@ -571,7 +557,14 @@ class Agent:
             hb = float(self._run_desired.get("heartbeat_s", 0.5)) if self._run_desired else 0.5
             self._report_now.wait(hb if backoff <= 0.1 else backoff)
             self._report_now.clear()
-            backoff = 0.1 if self._report_once(timeout_s=5.0) else min(2.0, backoff * 2)
+            try:
+                ok = self._report_once(timeout_s=5.0)
+            except (
+                Exception
+            ):  # the heartbeat is this node's life to the controller: never let it die
+                log.exception("building a report failed; retrying")
+                ok = False
+            backoff = 0.1 if ok else min(2.0, backoff * 2)
 
     def _poll_loop(self) -> None:
         backoff = 0.1

@@ -93,19 +93,40 @@ class _Local:
 
 
 class _Remote:
-    """The node's ckptd (under ``trainguard run``)."""
+    """The node's ckptd (under ``trainguard run``). If ckptd dies, the agent restarts it: each
+    call reconnects and retries for up to ``RECONNECT_S`` before giving up."""
+
+    RECONNECT_S = 30.0
 
     def __init__(self, name: str) -> None:
-        self.client = CkptdClient(name)
+        self.name = name
+        self.client: CkptdClient | None = None
+
+    def _call(self, req: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + self.RECONNECT_S
+        while True:
+            try:
+                if self.client is None:
+                    self.client = CkptdClient(self.name)
+                return self.client.call(req, timeout_s=timeout_s)
+            except (OSError, CheckpointError) as e:
+                if isinstance(e, CheckpointError) and "closed the connection" not in str(e):
+                    raise  # ckptd answered with an error: retrying would not help
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"the node's ckptd is unreachable ({e}); is the agent alive?"
+                    ) from e
+                time.sleep(0.1)
 
     def alloc(self, rank: int, nbytes: int) -> tuple[Path, Path]:
-        a, b = self.client.call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)[
-            "slots"
-        ]
+        a, b = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)["slots"]
         return Path(a), Path(b)
 
     def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool, world: int) -> None:
-        self.client.call(
+        self._call(
             {
                 "op": "staged",
                 "rank": rank,
@@ -119,10 +140,11 @@ class _Remote:
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
         req = {"op": "wait_durable", "step": step, "timeout_s": timeout_s}
-        return bool(self.client.call(req, timeout_s=timeout_s + 10.0)["durable"])
+        return bool(self._call(req, timeout_s=timeout_s + 10.0)["durable"])
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 class Checkpointer:

@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import Any
 from trainguard.checkpoint import snapshot
 from trainguard.checkpoint.api import CheckpointError
 
-__all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name"]
+__all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name", "spawn"]
 from trainguard.checkpoint.persister import Persister
 
 log = logging.getLogger("trainguard.ckptd")
@@ -141,6 +142,56 @@ class Ckptd:
         raise ValueError(f"unknown op {op!r}")
 
 
+def spawn(
+    *,
+    job: str,
+    node: str,
+    ckpt_dir: Path,
+    shm_dir: Path,
+    keep: int,
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> subprocess.Popen[bytes]:
+    """Start a ckptd process and wait (``timeout_s``) until it accepts connections.
+
+    Raises CheckpointError, naming its log, if it exits or does not listen in time (it is
+    killed then).
+    """
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainguard.checkpoint.ckptd",
+                "--job",
+                job,
+                "--node",
+                node,
+                "--ckpt-dir",
+                str(ckpt_dir),
+                "--shm-dir",
+                str(shm_dir),
+                "--keep",
+                str(keep),
+            ],
+            stdout=f,
+            stderr=f,
+            env=env,
+        )
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            CkptdClient(socket_name(job, node), timeout_s=1.0).close()
+            return proc
+        except OSError:
+            time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=5.0)
+    raise CheckpointError(f"ckptd for {node} did not start; see {log}")
+
+
 class CkptdClient:
     """A connection to the node's ckptd. Every call has a deadline (``timeout_s``)."""
 
@@ -167,7 +218,9 @@ class CkptdClient:
         return reply
 
     def close(self) -> None:
-        self.f.close()
+        """Close the connection; a daemon that died already is not an error here."""
+        with contextlib.suppress(OSError):
+            self.f.close()
         self.sock.close()
 
 

@@ -9,6 +9,18 @@ from typing import Any
 
 from trainguard.faults.inject import InjectSpec
 
+# Phases of a recovery, in order, each timed from the end of the previous one; then the sum.
+RECOVERY_PHASES = (
+    "detect",
+    "stop",
+    "clean",
+    "replace",
+    "rendezvous",
+    "load_checkpoint",
+    "first_step",
+    "total",
+)
+
 
 class Phase(str, enum.Enum):
     """Job states (ARCHITECTURE §2). Transitions, all made by ``decide``:
@@ -218,16 +230,8 @@ class Recovery:
             self.t_loaded,
             self.t_first_step,
         ]
-        names = [
-            "detect",
-            "stop",
-            "clean",
-            "replace",
-            "rendezvous",
-            "load_checkpoint",
-            "first_step",
-        ]
         out: dict[str, float | None] = {}
+        names = RECOVERY_PHASES[:-1]
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             out[name] = None if a is None or b is None else max(0.0, b - a)
         out["total"] = None if self.t_first_step is None else self.t_first_step - self.fault.t_fault

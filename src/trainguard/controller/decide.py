@@ -165,17 +165,10 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
     if lost:
         n = lost[0]
         if _rebooted(s, n, obs):
-            return Fault(
-                cause="node_lost",
-                generation=gen,
-                rank=None,
-                node_id=n,
-                step=s.max_step.get(gen),
-                t_fault=now,
-                t_detected=now,
-                message=f"node {n} restarted (new agent incarnation)",
-            )
-        seen = obs[n].last_seen if n in obs else s.phase_since
+            seen, why = now, f"node {n} restarted (new agent incarnation)"
+        else:
+            seen = obs[n].last_seen if n in obs else s.phase_since
+            why = f"no heartbeat from {n} for {now - seen:.1f}s"
         return Fault(
             cause="node_lost",
             generation=gen,
@@ -184,7 +177,7 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             step=s.max_step.get(gen),
             t_fault=seen,
             t_detected=now,
-            message=f"no heartbeat from {n} for {now - seen:.1f}s",
+            message=why,
         )
     failed = [
         (w.exited_at or now, n, w)

@@ -15,18 +15,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.store import open_readonly, read_events, read_kv
 
-PHASES = (
-    "detect",
-    "stop",
-    "clean",
-    "replace",
-    "rendezvous",
-    "load_checkpoint",
-    "first_step",
-    "total",
-)
+PHASES = RECOVERY_PHASES
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
