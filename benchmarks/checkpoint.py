@@ -152,7 +152,9 @@ def run(size_gb: float, repeats: int, base: Path) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"})
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    )
     dist.init_process_group("gloo", rank=0, world_size=1)
     n = 16
     numel = int(size_gb * 2**30 / 4 / n)
@@ -161,6 +163,7 @@ def run(size_gb: float, repeats: int, base: Path) -> dict[str, Any]:
     dst = {k: torch.zeros_like(v) for k, v in state["model"].items()}  # pre-faulted, like the slots
     r: dict[str, Any] = {"size_bytes": nbytes}
     try:
+
         def memcpy() -> None:
             for k, v in state["model"].items():
                 dst[k].copy_(v)

@@ -59,3 +59,18 @@ def test_bad_config_file_and_report_of_nothing(tmp_path: Path) -> None:
     assert res.returncode == 2 and "unknown field(s) hang_timeot_s" in res.stderr
     res = _run("report", "--run-dir", str(tmp_path))
     assert res.returncode == 2 and "no trainguard store here" in res.stderr
+
+
+def test_two_runs_cannot_share_a_run_dir(tmp_path: Path) -> None:
+    import fcntl
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "a+") as held:  # what a live `trainguard run` holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        res = _run("run", "--run-dir", str(run_dir), str(GPT))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"trainguard: error: run dir {run_dir.resolve()} is in use by another trainguard run; "
+        "pass another --run-dir, or wait for that job to end"
+    ]

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import logging
 import os
@@ -209,8 +210,28 @@ async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState_T
 JobState_T = Any
 
 
+def _lock_run_dir(run_dir: Path) -> IO[str]:
+    """Hold RUN_DIR/.lock for this process's life: two jobs must not share a run dir (store,
+    token, checkpoints). Raises ValueError naming the fix."""
+    f = open(run_dir / ".lock", "a+")  # noqa: SIM115 - held open until the process exits
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(
+            f"run dir {run_dir} is in use by another trainguard run; "
+            "pass another --run-dir, or wait for that job to end"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def run_command(args: argparse.Namespace) -> int:
     cfg = build_config(args)
+    lock = _lock_run_dir(Path(cfg.run_dir))  # noqa: F841 - released when this process exits
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
     )
