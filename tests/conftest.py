@@ -16,6 +16,10 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Test this checkout's code, in this process and in every process it starts, whichever
+# checkout an editable install happens to point at.
+sys.path.insert(0, str(ROOT / "src"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
 GPT = ROOT / "examples" / "gpt" / "train.py"
 # A GPT small enough for a 2-core machine: ~10-20 ms per step with 2 ranks.
 TINY = [
