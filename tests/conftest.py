@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -19,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Test this checkout's code, in this process and in every process it starts, whichever
 # checkout an editable install happens to point at.
 sys.path.insert(0, str(ROOT / "src"))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
+)
 GPT = ROOT / "examples" / "gpt" / "train.py"
 # A GPT small enough for a 2-core machine: ~10-20 ms per step with 2 ranks.
 TINY = [
@@ -75,7 +78,17 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
         with contextlib.suppress(ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             os.killpg(p.pid, 9) if os.getpgid(p.pid) == p.pid else p.kill()
     zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
-    new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before if "trainguard" in n]
+    # Segments are named trainguard-<sha1(run dir)[:8]>-…: count only this test's run dirs.
+    jobs = {
+        hashlib.sha1(str(d.resolve()).encode()).hexdigest()[:8]
+        for d in [tmp_path, *tmp_path.rglob("*")]
+        if d.is_dir() and not d.is_symlink()
+    }
+    new_shm = [
+        n
+        for n in set(os.listdir("/dev/shm")) - shm_before
+        if any(f"trainguard-{j}-" in n for j in jobs)
+    ]
     assert not leaked, (
         f"processes left behind: {[(p.pid, p.cmdline()) for p in leaked if p.is_running()]}"
     )

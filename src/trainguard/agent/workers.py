@@ -86,7 +86,7 @@ class Worker:
         except OSError:
             return None
         tail = [ln for ln in lines[-20:] if ln.strip()]
-        return "\n".join(tail) if tail else None
+        return ("no traceback; last lines of its log:\n" + "\n".join(tail)) if tail else None
 
 
 class SparePool:

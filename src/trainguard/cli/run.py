@@ -21,10 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import IO, Any
-
-import tomllib
 
 from trainguard.controller.api import JobConfig, Phase
 from trainguard.controller.server import Controller

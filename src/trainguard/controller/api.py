@@ -22,7 +22,7 @@ RECOVERY_PHASES = (
 )
 
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
     """Job states (ARCHITECTURE §2). Transitions, all made by ``decide``:
 
     PENDING → RENDEZVOUS                 enough healthy nodes joined
@@ -54,7 +54,7 @@ class Phase(str, enum.Enum):
         return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED)
 
 
-class Pool(str, enum.Enum):
+class Pool(enum.StrEnum):
     """Node pools (the seed's lists): healthy = running ∪ standby; all = healthy ∪ faulty ∪ retired."""
 
     RUNNING = "running"

@@ -258,6 +258,12 @@ class Controller:
         new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
         for kind, data in events:
             self.store.record(kind, data)
+            if kind == "fault_refined":
+                log.info(
+                    "[gen %s] fault re-attributed: %s",
+                    data["generation"],
+                    data["message"].splitlines()[0][:200],
+                )
             if kind == "phase":
                 log.info(
                     "[gen %s] %s → %s: %s",

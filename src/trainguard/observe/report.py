@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from trainguard.controller.api import RECOVERY_PHASES
@@ -40,12 +41,14 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     )
     wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
     productive = sum(d for _, d, _ in rows)
-    recoveries = list(state.get("recoveries", []))
+    attempts = list(state.get("recoveries", []))
     if state.get("recovery"):
-        recoveries.append(state["recovery"])
+        attempts.append(state["recovery"])
+    # Every fault is listed; a recovery is one that reached its first resumed step.
+    recoveries = [r for r in attempts if r.get("t_first_step") is not None]
     faults = [
         {k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
-        for r in recoveries
+        for r in attempts
     ]
     return {
         "run_dir": str(run_dir),
@@ -103,7 +106,7 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
             str(f["rank"]),
             str(f["node_id"]),
             str(f["step"]),
-            (f["message"] or "").splitlines()[0][:80],
+            escape((f["message"] or "").splitlines()[0][:100]),
         )
     con.print(faults)
     rec = Table(title=f"recoveries: {len(rep['recoveries'])} (seconds per phase)")
@@ -146,7 +149,7 @@ def print_events(run_dir: Path, *, as_json: bool) -> int:
             str(e.get("generation", "")),
             str(e.get("node", "")),
             str(e.get("rank", "")),
-            json.dumps(detail, default=str)[:100],
+            escape(json.dumps(detail, default=str)[:100]),
         )
     Console(width=max(Console().width, 132)).print(table)
     return 0
