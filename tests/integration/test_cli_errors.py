@@ -74,3 +74,40 @@ def test_two_runs_cannot_share_a_run_dir(tmp_path: Path) -> None:
         f"trainguard: error: run dir {run_dir.resolve()} is in use by another trainguard run; "
         "pass another --run-dir, or wait for that job to end"
     ]
+
+
+def test_config_file_values_apply_and_bad_types_are_one_line(tmp_path: Path) -> None:
+    from trainguard.cli.main import _parser
+    from trainguard.cli.run import build_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("nodes = 2\nstandby = 1\nnproc_per_node = 2\n")
+    job = build_config(
+        _parser().parse_args(
+            ["run", "--run-dir", str(tmp_path / "r"), "--config", str(cfg), str(GPT)]
+        )
+    )
+    assert (job.nodes, job.standby, job.nproc_per_node) == (2, 1, 2)
+    job = build_config(
+        _parser().parse_args(
+            [
+                "run",
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--config",
+                str(cfg),
+                "--nodes",
+                "3",
+                str(GPT),
+            ]
+        )
+    )
+    assert job.nodes == 3  # a flag given beats the file
+    cfg.write_text('heartbeat_s = "fast"\n')
+    res = _run("run", "--run-dir", str(tmp_path / "r2"), "--config", str(cfg), str(GPT))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "a field has the wrong type" in res.stderr
+    (tmp_path / "r3").mkdir()
+    (tmp_path / "r3" / "job.sqlite").write_bytes(b"garbage" * 100)
+    res = _run("report", "--run-dir", str(tmp_path / "r3"))
+    assert res.returncode == 2 and "is not a readable trainguard store" in res.stderr

@@ -271,3 +271,16 @@ def test_restore_point_prefers_a_memory_copy_every_rank_holds() -> None:
         1: [(22, 1)]
     }  # same step from another generation is not the same copy
     assert restore_point(sim.s, sim.obs, sim.c, []) == (None, {})
+
+
+def test_stop_requested_during_a_recovery_ends_the_job() -> None:
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    w = sim.worker("node1")
+    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+    assert sim.tick().phase == Phase.STOPPING
+    sim.s.stop_requested = True  # SIGTERM arrives mid-recovery
+    sim.ack_stop()
+    s = sim.tick()
+    assert s.phase == Phase.STOPPED and s.restarts == 0

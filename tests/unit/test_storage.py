@@ -47,3 +47,14 @@ def test_prune_keeps_newest_and_removes_stale_tmp(tmp_path: Path) -> None:
     assert not stale.exists()
     assert storage.prune(tmp_path, 0) == [3]  # keep < 1 still keeps the newest
     assert os.listdir(tmp_path) == ["step_4"]
+
+
+def test_a_manifest_of_the_wrong_shape_is_corrupt_not_a_crash(tmp_path: Path) -> None:
+    final = _write_step(tmp_path, 3, b"z" * 64)
+    for bad in (
+        "[1, 2]",
+        '{"files": {}}',
+        '{"files": {"__0_0.distcp": {"size": 64, "xxh3_64": "0"}}}',
+    ):
+        (final / "manifest.json").write_text(bad)
+        assert storage.verify(tmp_path, 3), bad

@@ -83,7 +83,15 @@ class _Local:
         self.persister.staged(rank, slot, step, gen, durable)
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
-        return self.persister.wait_durable(step, timeout_s)
+        if self.persister.wait_durable(step, timeout_s):
+            return True
+        failed = self.persister.failure(step)
+        if failed:
+            raise CheckpointError(f"step {step} cannot become durable: {failed}")
+        return False
+
+    def forget(self, slot: Path) -> None:
+        self.persister.forget(slot)
 
     def close(self) -> None:
         self.persister.close()
@@ -140,7 +148,13 @@ class _Remote:
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
         req = {"op": "wait_durable", "step": step, "timeout_s": timeout_s}
-        return bool(self._call(req, timeout_s=timeout_s + 10.0)["durable"])
+        reply = self._call(req, timeout_s=timeout_s + 10.0)
+        if reply.get("failed"):
+            raise CheckpointError(f"step {step} cannot become durable: {reply['failed']}")
+        return bool(reply["durable"])
+
+    def forget(self, slot: Path) -> None:
+        self._call({"op": "forget", "slot": str(slot)})
 
     def close(self) -> None:
         if self.client is not None:
@@ -395,6 +409,8 @@ class Checkpointer:
                 objects = slot.restore_into(h, sums, targets)
             except CheckpointCorruptError as e:
                 self._rt.event("ckpt_corrupt", step=step, tier="memory", problems=[str(e)])
+                if self.memory_tier:  # out of the memory index: the next restore point skips it
+                    self._connect().forget(path)
                 return False
             finally:
                 slot.close()

@@ -124,9 +124,12 @@ class Ckptd:
             )
             return {"ok": True}
         if op == "wait_durable":
-            return {
-                "durable": self.persister.wait_durable(int(req["step"]), float(req["timeout_s"]))
-            }
+            step = int(req["step"])
+            durable = self.persister.wait_durable(step, float(req["timeout_s"]))
+            return {"durable": durable, "failed": None if durable else self.persister.failure(step)}
+        if op == "forget":
+            self.persister.forget(Path(req["slot"]))
+            return {"ok": True}
         if op == "status":
             with self._lock:
                 events, self._events = self._events, []

@@ -150,6 +150,7 @@ class Persister:
         self._busy = 0
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
         self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
+        self._failed: dict[int, str] = {}  # step → why its part could not be persisted here
         self._threads = [
             threading.Thread(target=self._run, name="trainguard-persister", daemon=True),
             threading.Thread(target=self._commit_loop, name="trainguard-committer", daemon=True),
@@ -197,11 +198,23 @@ class Persister:
         finally:
             s.close()
 
+    def failure(self, step: int) -> str | None:
+        """Why ``step`` cannot become durable (its part failed on this node), or None."""
+        with self._cv:
+            return self._failed.get(step)
+
+    def forget(self, slot: Path) -> None:
+        """Drop a snapshot a reader found corrupt: out of the memory index, never re-adopted."""
+        with self._cv:
+            for v in self._verified.values():
+                v.pop(str(slot), None)
+        snapshot.sums_path(slot).unlink(missing_ok=True)
+
     def wait_durable(self, step: int, timeout_s: float) -> bool:
         """Until ``step`` is committed in the durable tier (by anyone) or the deadline."""
         deadline = time.monotonic() + timeout_s
         while step not in storage.list_committed(self.root):
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self.failure(step) is not None:
                 return False
             with self._cv:
                 self._cv.wait(timeout=0.05)
@@ -290,11 +303,14 @@ class Persister:
                     needed = sum(int(t.numel() * t.element_size()) for t in tensors.values()) + len(
                         blob
                     )
+                    reason = describe_write_error(e, self.root, needed)
+                    with self._cv:
+                        self._failed[step] = reason
                     self.emit(
                         "ckpt_persist_failed",
                         rank=rank,
                         step=step,
-                        reason=describe_write_error(e, self.root, needed),
+                        reason=reason,
                         hint="the memory tier still serves; free disk space for durable checkpoints",
                     )
                     return

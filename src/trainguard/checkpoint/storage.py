@@ -120,8 +120,22 @@ def verify(root: Path, step: int) -> list[str]:
         manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         return [f"{d / MANIFEST}: unreadable ({e})"]
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not all(
+            isinstance(w, dict)
+            and isinstance(w.get("size"), int)
+            and isinstance(w.get("xxh3_64"), str)
+            for w in files.values()
+        )
+    ):
+        return [f"{d / MANIFEST}: not a trainguard manifest (files with size and xxh3_64 expected)"]
+    if DCP_METADATA not in files:
+        return [f"{d / MANIFEST}: does not cover {DCP_METADATA}"]
     problems = []
-    for name, want in manifest.get("files", {}).items():
+    for name, want in files.items():
         path = d / name
         if not path.is_file():
             problems.append(f"{path}: missing")

@@ -7,6 +7,7 @@ status 2, before any process starts.
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -21,11 +22,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a training job on this machine with simulated nodes")
-    r.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (default 1)")
+    r.add_argument("--nodes", type=int, default=None, help="nodes the job runs on (default 1)")
     r.add_argument(
-        "--standby", type=int, default=0, help="standby nodes kept to replace lost ones (default 0)"
+        "--standby",
+        type=int,
+        default=None,
+        help="standby nodes kept to replace lost ones (default 0)",
     )
-    r.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    r.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default 1)")
     r.add_argument(
         "--run-dir", type=Path, default=None, help="run directory (default runs/<timestamp>)"
     )
@@ -115,4 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         return report.print_report(args.run_dir, as_json=args.json)
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError) as e:
         print(f"trainguard: error: {e}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as e:
+        where = getattr(args, "run_dir", None)
+        print(
+            f"trainguard: error: {where}/job.sqlite is not a readable trainguard store ({e}); "
+            "pass the --run-dir of a job, or move the damaged file away to start afresh",
+            file=sys.stderr,
+        )
         return 2

@@ -46,7 +46,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
     if args.config is not None:
         try:
             extra = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ValueError(
                 f"--config {args.config}: {e}; give a readable TOML file of JobConfig fields"
             ) from None
@@ -70,13 +70,19 @@ def build_config(args: argparse.Namespace) -> JobConfig:
     }
     extra.update({k: v for k, v in flags.items() if v is not None})
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
-    cfg = JobConfig(
-        script=str(script.resolve()),
-        script_args=tuple(args.script_args),
-        run_dir=str(run_dir.resolve()),
-        injects=injects,
-        **extra,
-    )
+    try:
+        cfg = JobConfig(
+            script=str(script.resolve()),
+            script_args=tuple(args.script_args),
+            run_dir=str(run_dir.resolve()),
+            injects=injects,
+            **extra,
+        )
+    except TypeError as e:
+        raise ValueError(
+            f"--config {args.config}: a field has the wrong type ({e}); see JobConfig in "
+            "src/trainguard/controller/api.py for each field's type"
+        ) from None
     _check_writable(run_dir)
     return cfg
 

@@ -273,7 +273,7 @@ def decide(
     if (
         s.stop_requested
         and not s.phase.terminal
-        and s.phase not in (Phase.STOPPING, Phase.CLEANING)
+        and s.phase not in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED)
     ):
         if s.assignment and s.phase in _ACTIVE_GEN:
             _goto(s, Phase.STOPPING, now, events, "stop requested")
@@ -339,7 +339,10 @@ def decide(
             _goto(s, Phase.CLEANING, now, events, "every live node stopped its workers")
 
     if s.phase == Phase.CLEANING:
-        if s.recovery is None:
+        if s.recovery is None or s.stop_requested:  # a stop requested mid-recovery ends the job
+            if s.recovery is not None:
+                s.recoveries.append(s.recovery)
+                s.recovery = None
             s.reason = "stopped by request"
             _goto(s, Phase.STOPPED, now, events, s.reason)
         else:
