@@ -456,7 +456,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ durability
     def wait(self, timeout_s: float = DURABLE_WAIT_S) -> None:
-        """Block until the last durable save is committed. Raises CheckpointError past the deadline."""
+        """Block until the last durable save is committed (keep-alives tell the agent this is not
+        a hang). Raises CheckpointError past ``timeout_s``, or at once when this node's persister
+        could not write the step (e.g. disk full: the event names the free space)."""
         self.wait_staged()
         if self._last_durable is None or self._backend is None:
             return
