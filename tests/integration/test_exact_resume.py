@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import TINY, losses, report, run_job
+from trainguard.controller.api import RECOVERY_PHASES
 
 STEPS = 40
 
@@ -29,16 +30,7 @@ def test_kill_mid_run_gives_the_same_losses_as_no_fault(tmp_path: Path) -> None:
     # holds is 22 in memory (or, if the persister had not verified it yet, 21 or 20 on disk).
     assert 20 <= rec["restore_step"] <= 22 and rec["steps_lost"] == 23 - rec["restore_step"]
     phases = rec["phases_s"]
-    for name in (
-        "detect",
-        "stop",
-        "clean",
-        "replace",
-        "rendezvous",
-        "load_checkpoint",
-        "first_step",
-        "total",
-    ):
+    for name in RECOVERY_PHASES:
         assert phases[name] is not None and phases[name] >= 0, phases
     assert phases["total"] < 60
     assert 0 < rep["goodput"] < 1
