@@ -437,8 +437,9 @@ class Agent:
                 self._report_now.set()
                 return
 
-    def _drain_udp(self) -> None:
-        while True:
+    def _drain_udp(self, limit: int = 10_000) -> None:
+        """Handle pending worker reports, at most ``limit`` per loop so a flood cannot starve reconcile."""
+        for _ in range(limit):
             try:
                 data = self._sock.recv(65536)
             except BlockingIOError:

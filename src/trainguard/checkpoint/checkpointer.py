@@ -79,7 +79,7 @@ class _Local:
         self.paths = list(paths)
         return paths
 
-    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool, world: int) -> None:
+    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
         self.persister.staged(rank, slot, step, gen, durable)
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
@@ -133,7 +133,7 @@ class _Remote:
         a, b = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)["slots"]
         return Path(a), Path(b)
 
-    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool, world: int) -> None:
+    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
         self._call(
             {
                 "op": "staged",
@@ -142,7 +142,6 @@ class _Remote:
                 "step": step,
                 "generation": gen,
                 "durable": durable,
-                "world_size": world,
             }
         )
 
@@ -256,7 +255,7 @@ class Checkpointer:
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
                 lockf.close()
-            backend.staged(rank, slot.path, step, self._rt.generation, durable, world)
+            backend.staged(rank, slot.path, step, self._rt.generation, durable)
             if durable:
                 self._last_durable = step
 

@@ -9,7 +9,7 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
 (``\\0trainguard-ckptd-<job>-<node>``); only peers with our uid are served (SO_PEERCRED).
 
 - ``{"op": "alloc", "rank": r, "nbytes": n}`` → ``{"slots": [path0, path1]}`` or ``{"error": …}``
-- ``{"op": "staged", "rank", "slot", "step", "generation", "durable", "world_size"}`` → ``{"ok": true}``
+- ``{"op": "staged", "rank", "slot", "step", "generation", "durable"}`` (the world size is in the slot's header) → ``{"ok": true}``
 - ``{"op": "wait_durable", "step", "timeout_s"}`` → ``{"durable": bool}``
 - ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "events": […]}`` (events drained)
 - ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainguard.controller.api import JobConfig, Phase
+from trainguard.controller.decide import JobState
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
@@ -187,7 +188,7 @@ class Cluster:
             path.unlink(missing_ok=True)
 
 
-async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState_T, int]:
+async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
     controller = Controller(cfg, token, store)
     host, port = await controller.start()
@@ -210,9 +211,6 @@ async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState_T
     await controller.close()
     store.close()
     return state, (got_signal[0] if got_signal else 0)
-
-
-JobState_T = Any
 
 
 def _lock_run_dir(run_dir: Path) -> IO[str]:
