@@ -54,7 +54,7 @@ def test_a_manifest_of_the_wrong_shape_is_corrupt_not_a_crash(tmp_path: Path) ->
     for bad in (
         "[1, 2]",
         '{"files": {}}',
-        '{"files": {"__0_0.distcp": {"size": 64, "xxh3_64": "0"}}}',
+        '{"files": {"__0_0.distcp": {"size": 64, "crc32c": 0}}}',
     ):
         (final / "manifest.json").write_text(bad)
         assert storage.verify(tmp_path, 3), bad

@@ -360,6 +360,39 @@ class Agent:
             )
         log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
         self._report_now.set()
+        if (
+            d["restore_step"] is not None
+            and d.get("restore_gen") is not None
+            and d["ckpt"]["memory_tier"]
+        ):
+            threading.Thread(
+                target=self._preverify,
+                args=(sorted(self.workers), int(d["restore_step"]), int(d["restore_gen"]), gen),
+                name="agent-preverify",
+                daemon=True,
+            ).start()
+
+    def _preverify(self, ranks: list[int], step: int, snap_gen: int, gen: int) -> None:
+        """Have ckptd re-checksum the snapshots the new workers will restore, while they start
+        (their restore then only copies). Best effort: a worker asks again if this fails."""
+        try:
+            c = ckptd_mod.CkptdClient(ckptd_mod.socket_name(self.job_id, self.cfg.node_id))
+        except OSError:
+            return
+        try:
+            for rank in ranks:
+                req = {
+                    "op": "verify",
+                    "rank": rank,
+                    "step": step,
+                    "generation": snap_gen,
+                    "for_generation": gen,
+                }
+                c.call(req, timeout_s=300.0)
+        except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
+            log.warning("pre-verifying snapshots for generation %d failed: %s", gen, e)
+        finally:
+            c.close()
 
     def _stop_workers(self, *, grace_s: float) -> None:
         if not self.workers and self.generation is None:

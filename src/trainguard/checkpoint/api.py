@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-MANIFEST = "manifest.json"  # per step: file sizes and xxh3_64 checksums, written before commit
+MANIFEST = "manifest.json"  # per step: file sizes and CRC-32C checksums, written before commit
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's global metadata file
 PER_RANK_KEY = "per_rank"  # values under this key are saved separately for every rank
 

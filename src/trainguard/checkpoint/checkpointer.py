@@ -19,6 +19,7 @@ it finishes before the optimizer next writes the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -51,6 +52,7 @@ from trainguard.runtime.core import init as runtime_init
 
 SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
 DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
+VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
 
 
 def _rank_world() -> tuple[int, int]:
@@ -110,8 +112,10 @@ class _Remote:
         self.name = name
         self.client: CkptdClient | None = None
 
-    def _call(self, req: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + self.RECONNECT_S
+    def _call(
+        self, req: dict[str, Any], timeout_s: float = 10.0, reconnect_s: float = RECONNECT_S
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + reconnect_s
         while True:
             try:
                 if self.client is None:
@@ -153,7 +157,26 @@ class _Remote:
         return bool(reply["durable"])
 
     def forget(self, slot: Path) -> None:
-        self._call({"op": "forget", "slot": str(slot)})
+        """Best effort: a ckptd that is down re-verifies slots when it restarts anyway."""
+        with contextlib.suppress(CheckpointError):
+            self._call({"op": "forget", "slot": str(slot)}, reconnect_s=5.0)
+
+    def verify(self, rank: int, step: int, gen: int, for_generation: int) -> dict[str, Any] | None:
+        """ckptd's verdict on the rank's snapshot of (step, gen) for this restart; None when
+        ckptd is unreachable for 5 s (the caller then checksums the slot itself)."""
+        req = {
+            "op": "verify",
+            "rank": rank,
+            "step": step,
+            "generation": gen,
+            "for_generation": for_generation,
+        }
+        try:
+            return self._call(req, timeout_s=VERIFY_WAIT_S, reconnect_s=5.0)
+        except CheckpointError as e:
+            if "unreachable" not in str(e):
+                raise
+            return None
 
     def close(self) -> None:
         if self.client is not None:
@@ -203,6 +226,8 @@ class Checkpointer:
         self._layout: snapshot.Layout | None = None
         self._newest = -1  # index of the slot holding the newest snapshot
         self._copy: threading.Thread | None = None
+        self._copied = threading.Event()  # the background copy is in memory (params may change)
+        self._copied.set()
         self._copy_error: BaseException | None = None
         self._last_durable: int | None = None
 
@@ -255,6 +280,7 @@ class Checkpointer:
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
                 lockf.close()
+                self._copied.set()  # the optimizer may write the parameters now
             backend.staged(rank, slot.path, step, self._rt.generation, durable)
             if durable:
                 self._last_durable = step
@@ -267,15 +293,28 @@ class Checkpointer:
                 except BaseException as e:  # surfaced by wait_staged() on the training thread
                     self._copy_error = e
 
+            self._copied.clear()
             self._copy = threading.Thread(target=run, name="trainguard-stage", daemon=True)
             self._copy.start()
         else:
             finish()
 
+    def wait_copied(self, timeout_s: float = SLOT_WAIT_S) -> None:
+        """Block until the last background copy is in memory (its notification to the
+        persister may still be in flight): the optimizer may then write the parameters.
+        Raises CheckpointError if the copy failed or took longer than ``timeout_s``."""
+        if not self._copied.wait(timeout_s):
+            raise CheckpointError(f"the snapshot copy did not finish within {timeout_s:.0f}s")
+        if self._copy_error is not None:
+            self.wait_staged()
+
     def wait_staged(self) -> None:
-        """Block until the last background copy is in memory. Re-raises its error, if any."""
+        """Block until the last background copy is in memory and the persister knows of it.
+        Re-raises its error, if any."""
         if self._copy is not None:
-            self._copy.join()
+            self._copy.join(timeout=SLOT_WAIT_S + _Remote.RECONNECT_S)
+            if self._copy.is_alive():
+                raise CheckpointError("staging the snapshot did not finish; is ckptd alive?")
             self._copy = None
         if self._copy_error is not None:
             err, self._copy_error = self._copy_error, None
@@ -283,7 +322,7 @@ class Checkpointer:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` wait for a background copy first (overlap mode)."""
-        optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+        optimizer.register_step_pre_hook(lambda *_: self.wait_copied())
 
     def _connect(self) -> _Local | _Remote:
         if self._backend is None:
@@ -393,26 +432,36 @@ class Checkpointer:
         name_job = os.environ.get(rt_api.ENV_JOB_ID, "")
         node = os.environ.get(rt_api.ENV_NODE_ID, "")
         shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
+        backend = self._connect()
+        verified: str | None = None  # the slot's name
+        if isinstance(backend, _Remote):  # ckptd checks the slot (usually done during the restart)
+            reply = backend.verify(rank, step, gen, self._rt.generation)
+            if reply is None:
+                pass  # ckptd is down: checksum the slot here, against the sums of its staging
+            elif not reply["ok"]:
+                if reply["slot"] is not None:  # corrupt: ckptd dropped it from its index
+                    self._rt.event(
+                        "ckpt_corrupt", step=step, tier="memory", problems=[reply["problem"]]
+                    )
+                return False
+            else:
+                verified = Path(reply["slot"]).name
         for path in snapshot.slot_paths(shm, name_job, node, rank):
             h = snapshot.peek_header(path)
             if h is None or (h["step"], h["generation"]) != (step, gen):
                 continue
-            sums = snapshot.read_sums(path, step, gen)
-            if sums is None:
+            sums = None if path.name == verified else snapshot.read_sums(path, step, gen)
+            if sums is None and path.name != verified:
                 continue
             converted = self._converted(state, rank)
             flat, mappings = flatten_state_dict(converted)
             targets = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-            slot = snapshot.Slot(path, writable=False)
             try:
-                objects = slot.restore_into(h, sums, targets)
+                objects = snapshot.restore(path, h, sums, targets, snapshot.restore_threads())
             except CheckpointCorruptError as e:
                 self._rt.event("ckpt_corrupt", step=step, tier="memory", problems=[str(e)])
-                if self.memory_tier:  # out of the memory index: the next restore point skips it
-                    self._connect().forget(path)
+                backend.forget(path)  # out of the memory index: the next restore point skips it
                 return False
-            finally:
-                slot.close()
             for key, value in objects.items():
                 set_element(converted, mappings[key], value)
             for key, value in state.items():

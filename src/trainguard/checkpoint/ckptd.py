@@ -11,6 +11,10 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
 - ``{"op": "alloc", "rank": r, "nbytes": n}`` → ``{"slots": [path0, path1]}`` or ``{"error": …}``
 - ``{"op": "staged", "rank", "slot", "step", "generation", "durable"}`` (the world size is in the slot's header) → ``{"ok": true}``
 - ``{"op": "wait_durable", "step", "timeout_s"}`` → ``{"durable": bool}``
+- ``{"op": "verify", "rank", "step", "generation", "for_generation"}`` → ``{"slot": path | None,
+  "ok": bool, "problem": str | None}``: re-checksums the rank's slot holding that snapshot, once
+  per restarting generation (the agent asks as it launches the workers, so the check runs
+  during the restart; the worker's ask then finds it done and copies without checksumming)
 - ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "events": […]}`` (events drained)
 - ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
 """
@@ -60,6 +64,8 @@ class Ckptd:
         self.persister = Persister(ckpt_dir, keep=keep, emit=self._emit)
         self._stop = threading.Event()
         self._unlink = False
+        # (rank, step, generation, for_generation) → the verification, run once
+        self._verifications: dict[tuple[int, int, int, int], _Verification] = {}
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(_address(socket_name(job, node)))
         self.sock.listen(64)
@@ -107,6 +113,31 @@ class Ckptd:
                 if self._stop.is_set():
                     return
 
+    def _verify(self, rank: int, step: int, gen: int) -> dict[str, Any]:
+        """Re-checksum the rank's slot holding (step, gen) against the sums taken at staging."""
+        for path in snapshot.slot_paths(self.shm_dir, self.job, self.node, rank):
+            h = snapshot.peek_header(path)
+            if h is None or (h["step"], h["generation"]) != (step, gen):
+                continue
+            sums = snapshot.read_sums(path, step, gen)
+            if sums is None:
+                return {"slot": None, "ok": False, "problem": f"{path}: never verified at staging"}
+            slot = snapshot.Slot(path, writable=False)
+            try:
+                ok = slot.checksums(h) == sums
+            finally:
+                slot.close()
+            if ok:
+                return {"slot": str(path), "ok": True, "problem": None}
+            self.persister.forget(path)
+            problem = f"{path}: step {step} fails its checksum (changed in memory since staging)"
+            return {"slot": str(path), "ok": False, "problem": problem}
+        return {
+            "slot": None,
+            "ok": False,
+            "problem": f"rank {rank} holds no snapshot of step {step}",
+        }
+
     def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
         if op == "alloc":
@@ -127,6 +158,15 @@ class Ckptd:
             step = int(req["step"])
             durable = self.persister.wait_durable(step, float(req["timeout_s"]))
             return {"durable": durable, "failed": None if durable else self.persister.failure(step)}
+        if op == "verify":
+            key = (int(req["rank"]), int(req["step"]), int(req["generation"]))
+            with self._lock:
+                for k in [k for k in self._verifications if k[3] < int(req["for_generation"])]:
+                    del self._verifications[k]  # older restarts' results are stale
+                v = self._verifications.setdefault(
+                    (*key, int(req["for_generation"])), _Verification()
+                )
+            return v.result(lambda: self._verify(*key))
         if op == "forget":
             self.persister.forget(Path(req["slot"]))
             return {"ok": True}
@@ -143,6 +183,20 @@ class Ckptd:
             self._stop.set()
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}")
+
+
+class _Verification:
+    """One verification, computed by the first asker; later askers wait for its result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._result: dict[str, Any] | None = None
+
+    def result(self, compute: Any) -> dict[str, Any]:
+        with self._lock:  # held while computing: concurrent askers wait for the one result
+            if self._result is None:
+                self._result = compute()
+            return self._result
 
 
 def spawn(

@@ -5,11 +5,11 @@ process. For each staged snapshot, newest first (older staged steps of the same 
 are skipped when persistence falls behind):
 
 1. takes a shared ``flock`` on the slot (the writer holds an exclusive one while it
-   copies), checks the header, computes xxh3_64 of every tensor → ``<slot>.sum``:
+   copies), checks the header, computes CRC-32C of every tensor → ``<slot>.sum``:
    the snapshot is now a *verified* memory-tier copy;
 2. writes the rank's part with ``torch.distributed.checkpoint`` (single process) to
    ``<root>/.tmp-step_<N>-gen<G>/rank_<r>/`` and fsyncs it, then a ``.done`` marker
-   listing its files with their checksums;
+   listing its files with their checksums (computed while writing: no read-back);
 3. the committer (whoever persists rank 0) waits for every rank's ``.done``, merges
    the per-rank DCP metadata into one global ``.metadata`` (keys are disjoint: rank 0
    holds the replicated state, rank r its ``per_rank.<r>``), writes the manifest and
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import logging
 import os
@@ -30,12 +31,14 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.checkpoint import snapshot, storage
@@ -66,11 +69,63 @@ def describe_write_error(e: BaseException, directory: Path, needed: int) -> str:
     return first[:300]
 
 
+class _CrcWriter(io.RawIOBase):
+    """A file opened for writing that keeps the CRC-32C and size of what went through it."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__()
+        self.f, self.crc, self.size = f, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.crc = crc32c.crc32c(b, self.crc)
+        n = self.f.write(b)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return int(self.f.fileno())
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, checksumming every file as DCP writes it (sequentially)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, dict[str, object]] = {}  # path → {"size", "crc32c"}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as f:
+            w = _CrcWriter(f)
+            yield w
+            w.flush()
+        self.sums[str(path)] = {"size": w.size, storage.CHECKSUM: w.crc}
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        if str(path) in self.sums:
+            self.sums[str(new_path)] = self.sums.pop(str(path))
+
+
 def write_part(
     part: Path, tensors: dict[str, Any], objects: dict[str, Any], mappings: dict[str, list[Any]]
 ) -> dict[str, dict[str, object]]:
-    """One rank's state as a single-process DCP checkpoint in ``part``; returns its file sums.
-    ``mappings``: DCP flatten mappings (key → nested path), kept for the merged metadata.
+    """One rank's state as a single-process DCP checkpoint in ``part``; returns its file sums
+    (size and CRC-32C, computed as the files are written). ``mappings``: DCP flatten mappings
+    (key → nested path), kept for the merged metadata.
 
     Raises OSError (e.g. ENOSPC) or RuntimeError from DCP on a failed write; ``part`` is
     removed then.
@@ -80,10 +135,16 @@ def write_part(
     part.mkdir(parents=True)
     try:
         writer = dcp.FileSystemWriter(str(part), single_file_per_rank=True, sync_files=True)
+        fs = _ChecksummingFileSystem()
+        writer.fs = fs
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save({**tensors, **objects}, storage_writer=writer, no_dist=True)
-        sums = storage.file_sums(part, prefix=f"{part.name}/")
+        on_disk = {str(p) for p in part.rglob("*") if p.is_file()}
+        if set(fs.sums) != on_disk:  # DCP wrote a file some other way: checksum it from disk
+            sums = storage.file_sums(part, prefix=f"{part.name}/")
+        else:
+            sums = {f"{part.name}/{Path(k).relative_to(part)}": v for k, v in fs.sums.items()}
         tmp = part / (DONE + ".tmp")
         tmp.write_text(json.dumps({"files": sums, "mappings": mappings}))
         os.replace(tmp, part / DONE)
@@ -116,7 +177,7 @@ def merge_and_commit(tmp: Path, root: Path, step: int, generation: int, world_si
     os.rename(meta_tmp, tmp / DCP_METADATA)
     files[DCP_METADATA] = {
         "size": (tmp / DCP_METADATA).stat().st_size,
-        "xxh3_64": storage.file_digest(tmp / DCP_METADATA),
+        storage.CHECKSUM: storage.file_digest(tmp / DCP_METADATA),
     }
     return storage.commit(tmp, root, step, generation=generation, files=files)
 
@@ -151,6 +212,9 @@ class Persister:
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
         self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
         self._failed: dict[int, str] = {}  # step → why its part could not be persisted here
+        # Read-only mappings of slots, kept across saves: mapping a slot anew sets up its page
+        # tables every time (as long as copying it). Used by the persister thread only.
+        self._maps: dict[str, tuple[tuple[int, int], snapshot.Slot]] = {}
         self._threads = [
             threading.Thread(target=self._run, name="trainguard-persister", daemon=True),
             threading.Thread(target=self._commit_loop, name="trainguard-committer", daemon=True),
@@ -249,6 +313,8 @@ class Persister:
                 while not any(self._pending.values()) and not self._closed:
                     self._cv.wait()
                 if self._closed and not any(self._pending.values()):
+                    for path in list(self._maps):
+                        self._unmap(Path(path))
                     return
                 rank = min(r for r, q in self._pending.items() if q)
                 slot, step, gen, durable = self._pending[rank].pop(0)
@@ -277,7 +343,7 @@ class Persister:
                     fcntl.flock(lockf, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:
                     return  # the writer is overwriting this memory-only snapshot with a newer step
-            slot = snapshot.Slot(slot_path, writable=False)
+            slot = self._mapped(slot_path)
             try:
                 h = slot.header()
                 if h is None or (h["step"], h["generation"]) != (step, gen):
@@ -320,12 +386,30 @@ class Persister:
                     )  # the slot may be reused
                     del tensors
                 self.emit("ckpt_part_durable", rank=rank, step=step, duration_s=time.time() - t0)
-            finally:
-                slot.close()
+            except BaseException:
+                self._unmap(slot_path)
+                raise
         if rank == 0:
             with self._cv:
                 self._commits.append((step, gen, int(h["world_size"])))
                 self._cv.notify_all()
+
+    def _mapped(self, path: Path) -> snapshot.Slot:
+        """The cached read-only mapping of ``path``, remapped if the file was replaced or grew."""
+        st = os.stat(path)
+        ident = (st.st_ino, st.st_size)
+        cached = self._maps.get(str(path))
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        self._unmap(path)
+        slot = snapshot.Slot(path, writable=False)
+        self._maps[str(path)] = (ident, slot)
+        return slot
+
+    def _unmap(self, path: Path) -> None:
+        cached = self._maps.pop(str(path), None)
+        if cached is not None:
+            cached[1].close()
 
     def _commit_loop(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """Durable tier: ``<root>/step_<N>/`` in plain torch.distributed.checkpoint layout.
 
 A step is committed when its directory exists under its final name: writers fill
-``<root>/.tmp-step_<N>-gen<G>/``, write ``manifest.json`` (size and xxh3_64 of every
+``<root>/.tmp-step_<N>-gen<G>/``, write ``manifest.json`` (size and CRC-32C of every
 file) with fsync, then rename the directory (atomic on POSIX) and fsync the root.
 A directory without ``.metadata`` and ``manifest.json`` is never listed.
 """
@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-import xxhash
+import crc32c
 
 from trainguard.checkpoint.api import DCP_METADATA, MANIFEST
 
@@ -44,13 +44,16 @@ def list_committed(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def file_digest(path: Path) -> str:
-    """xxh3_64 hex digest of a file, read in 8 MiB chunks."""
-    h = xxhash.xxh3_64()
+CHECKSUM = "crc32c"  # manifest field: CRC-32C (Castagnoli, RFC 3720) of the file, an int
+
+
+def file_digest(path: Path) -> int:
+    """CRC-32C of a file, read in 8 MiB chunks."""
+    crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+            crc = crc32c.crc32c(chunk, crc)
+    return crc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,7 +65,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def file_sums(directory: Path, prefix: str = "") -> dict[str, dict[str, object]]:
-    """Size and xxh3_64 of every file below ``directory`` (fsynced first), keyed by relative path."""
+    """Size and CRC-32C of every file below ``directory`` (fsynced first), keyed by relative path."""
     out: dict[str, dict[str, object]] = {}
     for path in sorted(directory.rglob("*")):
         if path.is_file():
@@ -70,7 +73,7 @@ def file_sums(directory: Path, prefix: str = "") -> dict[str, dict[str, object]]
                 os.fsync(f.fileno())
             out[prefix + str(path.relative_to(directory))] = {
                 "size": path.stat().st_size,
-                "xxh3_64": file_digest(path),
+                CHECKSUM: file_digest(path),
             }
     return out
 
@@ -127,11 +130,11 @@ def verify(root: Path, step: int) -> list[str]:
         or not all(
             isinstance(w, dict)
             and isinstance(w.get("size"), int)
-            and isinstance(w.get("xxh3_64"), str)
+            and isinstance(w.get(CHECKSUM), int)
             for w in files.values()
         )
     ):
-        return [f"{d / MANIFEST}: not a trainguard manifest (files with size and xxh3_64 expected)"]
+        return [f"{d / MANIFEST}: not a trainguard manifest (files with size and crc32c expected)"]
     if DCP_METADATA not in files:
         return [f"{d / MANIFEST}: does not cover {DCP_METADATA}"]
     problems = []
@@ -141,7 +144,7 @@ def verify(root: Path, step: int) -> list[str]:
             problems.append(f"{path}: missing")
         elif path.stat().st_size != want["size"]:
             problems.append(f"{path}: size {path.stat().st_size} != {want['size']}")
-        elif file_digest(path) != want["xxh3_64"]:
+        elif file_digest(path) != want[CHECKSUM]:
             problems.append(f"{path}: checksum mismatch")
     return problems
 

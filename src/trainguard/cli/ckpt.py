@@ -97,7 +97,11 @@ def inventory(run_dir: Path, *, verify: bool) -> list[dict[str, Any]]:
             if verify:
                 slot = snapshot.Slot(path, writable=False)
                 try:
-                    state = "verified" if slot.checksums(h) == sums else "corrupt"
+                    state = (
+                        "verified"
+                        if slot.checksums(h, snapshot.restore_threads()) == sums
+                        else "corrupt"
+                    )
                 finally:
                     slot.close()
         rows.append(
