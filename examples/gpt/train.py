@@ -52,6 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--durable-every", type=int, default=10, help="persist every K-th step to disk")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument(
+        "--ckpt-ab",
+        type=int,
+        default=0,
+        metavar="BLOCK",
+        help="overhead measurement (benchmarks/step_overhead.py): blocks of BLOCK steps, offset "
+        "by half a block, alternately with and without snapshots (0 = off)",
+    )
+    p.add_argument(
         "--out", default=None, help="run dir for metrics.jsonl (default: $TRAINGUARD_RUN_DIR or .)"
     )
     args = p.parse_args(argv)
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics.flush()
         stopping = flags[1].item() > 0
         last = stopping or step == args.steps
-        if last or (args.ckpt_every and step % args.ckpt_every == 0):
+        ab_off = args.ckpt_ab > 0 and (step - 1 + args.ckpt_ab // 2) // args.ckpt_ab % 2 == 1
+        if last or (args.ckpt_every and step % args.ckpt_every == 0 and not ab_off):
             per_rank["rng"] = torch.get_rng_state()
             per_rank["data"] = sampler.state_dict()
             ckpt.save(step, state, durable=True if last else None)
