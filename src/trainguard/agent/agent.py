@@ -35,6 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from trainguard.agent import workers as wk
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.runtime import api as rt_api
@@ -59,6 +61,14 @@ class AgentConfig:
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
 
 
+def interface_of(addr: str) -> str | None:
+    """The network interface holding ``addr`` (gloo must use it: GLOO_SOCKET_IFNAME), or None."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
+            return name
+    return "lo" if addr.startswith("127.") else None
+
+
 def hang_limit(desired: dict[str, Any], w: wk.Worker) -> float:
     """Seconds without progress after which worker ``w`` is hung (see CALIBRATION_FACTOR)."""
     if w.step is None:
@@ -76,6 +86,7 @@ class Agent:
     """One node's agent. ``run()`` returns the process exit status."""
 
     def __init__(self, cfg: AgentConfig) -> None:
+        self._last_report_ok = time.monotonic()  # of the last report the controller took
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
@@ -115,7 +126,7 @@ class Agent:
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers per node
-        ifname = self.cfg.gloo_ifname or ("lo" if self.cfg.addr.startswith("127.") else None)
+        ifname = self.cfg.gloo_ifname or interface_of(self.cfg.addr)
         if ifname:
             env.setdefault("GLOO_SOCKET_IFNAME", ifname)
         env["PYTHONUNBUFFERED"] = "1"
@@ -189,6 +200,7 @@ class Agent:
                 self._drain_udp()
                 self._poll_workers()
                 self._watch_hangs()
+                self._fence()
                 if self._reconcile():
                     break
                 self._wake.wait(LOOP_S)
@@ -267,6 +279,22 @@ class Agent:
         if self._ckpt_cfg is not None:
             for path in self._slots(self._ckpt_cfg["shm_dir"]):
                 path.unlink(missing_ok=True)
+
+    def _fence(self) -> None:
+        """Cut off from the controller for longer than it waits before declaring this node lost:
+        the job has moved on without us, so our workers must not go on (nor checkpoint)."""
+        d = self._run_desired
+        running = [w for w in self.workers.values() if w.state == "running"]
+        if not running or not d:
+            return
+        silent = time.monotonic() - self._last_report_ok
+        if silent > float(d.get("node_timeout_s", 10.0)):
+            log.warning("no controller contact for %.1fs: stopping our workers (fencing)", silent)
+            self._event("fenced", generation=self.generation, silent_s=round(silent, 1))
+            with self._lock:  # idle until the controller says otherwise (a newer version)
+                self._desired = (self._desired[0], {"action": "idle", "ckpt": d["ckpt"]})
+            self._stop_workers(grace_s=1.0)
+            self._run_desired = {}
 
     def _warm_torch(self) -> None:
         import torch.distributed  # noqa: F401  (the store below needs it; import once, early)
@@ -598,6 +626,8 @@ class Agent:
             ):  # the heartbeat is this node's life to the controller: never let it die
                 log.exception("building a report failed; retrying")
                 ok = False
+            if ok:
+                self._last_report_ok = time.monotonic()
             backoff = 0.1 if ok else min(2.0, backoff * 2)
 
     def _poll_loop(self) -> None:

@@ -1,4 +1,4 @@
-"""``trainguard`` command line: run, agent, events, report.
+"""``trainguard`` command line: run, controller, agent, status, ckpt, events, report.
 
 Every bad input ends in one line ``trainguard: error: <problem>; <fix>`` and exit
 status 2, before any process starts.
@@ -7,6 +7,7 @@ status 2, before any process starts.
 from __future__ import annotations
 
 import argparse
+import socket
 import sqlite3
 import sys
 from pathlib import Path
@@ -56,13 +57,49 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("script", help="training script (Python)")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
+    k = sub.add_parser("controller", help="run a job's controller for agents on other hosts")
+    k.add_argument("--nodes", default=None, metavar="N", help="nodes the job runs on (default 1)")
+    k.add_argument("--standby", type=int, default=None, help="standby nodes (default 0)")
+    k.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default 1)")
+    k.add_argument(
+        "--bind",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="listen here (default 127.0.0.1:0)",
+    )
+    k.add_argument("--run-dir", type=Path, default=None, help="run directory (shared storage)")
+    k.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="job token (default RUN_DIR/token, made if missing)",
+    )
+    k.add_argument("--max-restarts", type=int, default=None)
+    k.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS")
+    k.add_argument("--inject", action="append", default=[], metavar="SPEC")
+    k.add_argument("--config", type=Path, default=None, help="TOML file with JobConfig fields")
+    k.add_argument("script", help="training script (Python), the same path on every host")
+    k.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
     a = sub.add_parser("agent", help="run a node agent (one per host)")
     a.add_argument("--controller", required=True, metavar="HOST:PORT")
     a.add_argument("--token-file", type=Path, required=True)
-    a.add_argument("--node-id", required=True)
-    a.add_argument("--addr", required=True, help="address this node is reached at")
-    a.add_argument("--run-dir", type=Path, required=True)
+    a.add_argument("--node-id", default=None, help="this node's name (default: the hostname)")
+    a.add_argument(
+        "--advertise-addr",
+        "--addr",
+        dest="addr",
+        required=True,
+        help="address workers and peers reach this node at",
+    )
+    a.add_argument("--run-dir", type=Path, required=True, help="the job's run dir (shared storage)")
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+    t = sub.add_parser("status", help="a live job's phase, node lists and nodes")
+    t.add_argument("--controller", default=None, metavar="HOST:PORT")
+    t.add_argument("--run-dir", type=Path, default=None)
+    t.add_argument("--token-file", type=Path, default=None, help="default RUN_DIR/token")
+    t.add_argument("--json", action="store_true")
 
     c = sub.add_parser("ckpt", help="list, verify or export a run's checkpoints")
     c.add_argument("action", choices=["ls", "verify", "export"])
@@ -93,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.cli.run import run_command
 
             return run_command(args)
+        if args.cmd == "controller":
+            from trainguard.cli.controller import controller_command
+
+            return controller_command(args)
+        if args.cmd == "status":
+            from trainguard.cli.status import status_command
+
+            return status_command(args)
         if args.cmd == "agent":
             from trainguard.agent.agent import AgentConfig
             from trainguard.agent.agent import main as agent_main
@@ -102,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 AgentConfig(
                     controller=args.controller,
                     token=token,
-                    node_id=args.node_id,
+                    node_id=args.node_id or socket.gethostname().split(".")[0],
                     addr=args.addr,
                     run_dir=args.run_dir,
                     exit_with_parent=args.exit_with_parent,

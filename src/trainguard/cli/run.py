@@ -244,6 +244,11 @@ def run_command(args: argparse.Namespace) -> int:
     with os.fdopen(fd, "w") as f:
         f.write(token)
     state, sig = asyncio.run(_run(cfg, token, token_file))
+    return finish(cfg, state, sig)
+
+
+def finish(cfg: JobConfig, state: JobState, sig: int) -> int:
+    """Print the report and the outcome; returns the exit status (0, 128+signal, or 1)."""
     from trainguard.observe.report import print_report
 
     print_report(Path(cfg.run_dir), as_json=False)

@@ -62,6 +62,26 @@ class JobState:
     )  # generation → newest step seen
 
 
+def _recovery_from_json(d: dict[str, Any]) -> Recovery:
+    d = {k: v for k, v in d.items() if k != "durations_s"}
+    return Recovery(**{**d, "fault": Fault(**d["fault"])})
+
+
+def state_from_json(d: dict[str, Any]) -> JobState:
+    """The inverse of the controller's ``state_json`` (what it persists as ``state``).
+
+    Raises KeyError/TypeError/ValueError on a state this version cannot read.
+    """
+    fields = {f.name for f in dataclasses.fields(JobState)}
+    d = {k: v for k, v in d.items() if k in fields}
+    d["phase"] = Phase(d["phase"])
+    d["pools"] = {n: Pool(p) for n, p in d.get("pools", {}).items()}
+    d["max_step"] = {int(g): int(v) for g, v in d.get("max_step", {}).items()}
+    d["recovery"] = _recovery_from_json(d["recovery"]) if d.get("recovery") else None
+    d["recoveries"] = [_recovery_from_json(r) for r in d.get("recoveries", [])]
+    return JobState(**d)
+
+
 def _alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
     return now - o.last_seen <= cfg.node_timeout_s
 
@@ -589,4 +609,5 @@ def desired_for(
         "hang_timeout_max_s": cfg.hang_timeout_max_s,
         "first_step_timeout_s": cfg.first_step_timeout_s,
         "heartbeat_s": cfg.heartbeat_s,
+        "node_timeout_s": cfg.node_timeout_s,
     }

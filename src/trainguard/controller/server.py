@@ -5,7 +5,8 @@ Endpoints (all require ``Authorization: Bearer <job token>``):
 - ``POST /v1/report``   an agent's heartbeat and reports; answers its desired state
 - ``GET  /v1/desired``  long poll: ``?node=ID&version=V&wait_s=S`` returns once the node's
                         desired state is newer than V, or after S seconds (max 30)
-- ``GET  /v1/status``   job phase, pools, generation, recoveries
+- ``GET  /v1/status``   job phase, pools (the seed's five lists), generation, recoveries, and
+                        each node's last report (address, age, generation, workers' steps)
 - ``POST /v1/stop``     request a clean stop of the job
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from trainguard.checkpoint import storage
-from trainguard.controller.api import JobConfig, NodeObs, Phase, WorkerObs
+from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide, desired_for
 from trainguard.controller.store import Store
 
@@ -41,15 +42,43 @@ def state_json(s: JobState) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
+def pool_lists(pools: dict[str, str]) -> dict[str, list[str]]:
+    """The seed's five node lists from the pools: all, normal (healthy: running or standby),
+    abnormal (faulty or retired), standby, running."""
+    by = {p.value: sorted(n for n, q in pools.items() if q == p.value) for p in Pool}
+    return {
+        "all": sorted(pools),
+        "normal": sorted(by["running"] + by["standby"]),
+        "abnormal": sorted(by["faulty"] + by["retired"]),
+        "standby": by["standby"],
+        "running": by["running"],
+    }
+
+
 class Controller:
-    """One job's controller. Create, ``await start()``, then ``await wait_done(deadline)``."""
+    """One job's controller. Create, ``await start()``, then ``await wait_done(deadline)``.
+
+    ``resume``: the state a previous controller of this job persisted (its process died);
+    the job goes on where it was, without restarting workers. For ``node_timeout_s`` after
+    the start no decision is taken until every node of the job has reported again.
+    """
 
     def __init__(
-        self, cfg: JobConfig, token: str, store: Store, *, host: str = "127.0.0.1", port: int = 0
+        self,
+        cfg: JobConfig,
+        token: str,
+        store: Store,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        resume: JobState | None = None,
     ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
         self._token = f"Bearer {token}".encode()
-        self.state = JobState(phase_since=time.time())
+        self.state = resume if resume is not None else JobState(phase_since=time.time())
+        self._resume_until = time.time() + cfg.node_timeout_s if resume is not None else 0.0
+        # Desired-state versions grow across controller restarts (agents ignore older ones).
+        self._version_base = int(time.time() * 1000)
         self.obs: dict[str, NodeObs] = {}
         self._desired: dict[str, tuple[int, dict[str, Any]]] = {}
         self._changed = asyncio.Condition()
@@ -63,6 +92,12 @@ class Controller:
         store.put(
             "config", {**dataclasses.asdict(cfg), "injects": [i.to_json() for i in cfg.injects]}
         )
+        if resume is not None:
+            store.record(
+                "controller_restarted",
+                {"phase": resume.phase.value, "generation": resume.generation},
+            )
+            return
         store.record(
             "job_started",
             {
@@ -145,7 +180,21 @@ class Controller:
         return web.json_response({"version": v, "desired": desired})
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(state_json(self.state))
+        out = state_json(self.state)
+        out["lists"] = pool_lists(out["pools"])
+        now = time.time()
+        out["nodes"] = {
+            n: {
+                "addr": o.addr,
+                "pool": out["pools"].get(n),
+                "node_rank": self.state.assignment.get(n),
+                "last_seen_s": round(now - o.last_seen, 3),
+                "generation": o.generation,
+                "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
+            }
+            for n, o in sorted(self.obs.items())
+        }
+        return web.json_response(out)
 
     async def _stop(self, request: web.Request) -> web.Response:
         self.request_stop()
@@ -254,6 +303,10 @@ class Controller:
             Phase.REPLACING,
             Phase.WAITING_FOR_NODES,
         )
+        if self._resume_until:
+            if time.time() < self._resume_until and not self._all_back():
+                return  # after a controller restart: let every node report before deciding
+            self._resume_until = 0.0
         ckpt = self._durable() if needs_ckpt else []
         new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
         for kind, data in events:
@@ -283,11 +336,15 @@ class Controller:
         if new.phase.terminal:
             self._done.set()
 
+    def _all_back(self) -> bool:
+        want = {n for n, p in self.state.pools.items() if p in (Pool.RUNNING, Pool.STANDBY)}
+        return want <= set(self.obs)
+
     def _publish(self) -> None:
         changed = False
         for node_id in list(self.obs):
             want = desired_for(self.state, node_id, self.obs, self.cfg)
-            version, have = self._desired.get(node_id, (0, {}))
+            version, have = self._desired.get(node_id, (self._version_base, {}))
             if want != have:
                 self._desired[node_id] = (version + 1, want)
                 changed = True

@@ -77,6 +77,10 @@ class Store:
             "INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value, default=str))
         )
 
+    def get(self, key: str) -> Any:
+        row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
     def close(self) -> None:
         self._jsonl.close()
         self.db.close()

@@ -1,0 +1,128 @@
+"""``trainguard controller``: the job's controller on its own, for agents on other hosts.
+
+The same controller that ``trainguard run`` embeds, bound where ``--bind`` says, with the
+job token in ``--token-file`` (created, mode 0600, if missing; agents read the same
+file). Its address goes to ``RUN_DIR/controller.json`` for ``trainguard status``.
+
+Run again with the same run dir after the controller died (SIGKILL, host reboot): it
+resumes the job from its store; agents reconnect; running workers are not restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+from trainguard.cli.run import _lock_run_dir, build_config, finish
+from trainguard.controller.api import JobConfig
+from trainguard.controller.decide import JobState, state_from_json
+from trainguard.controller.server import Controller
+from trainguard.controller.store import Store
+
+log = logging.getLogger("trainguard.controller")
+
+
+def parse_nodes(text: str | None) -> int | None:
+    """``N`` or ``MIN:MAX``. Raises ValueError naming the fix."""
+    if text is None:
+        return None
+    lo, _, hi = text.partition(":")
+    try:
+        nmin, nmax = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(
+            f"--nodes {text!r}: give a node count N or MIN:MAX, e.g. 2 or 2:3"
+        ) from None
+    if nmin != nmax:
+        raise ValueError(
+            f"--nodes {text}: an elastic world (MIN < MAX) is not supported yet; "
+            f"pass --nodes {nmax} and --standby K for replacement nodes"
+        )
+    return nmax
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--bind {text!r}: give HOST:PORT, e.g. 10.0.0.1:29400 (port 0: any)")
+    return host, int(port)
+
+
+def read_or_create_token(path: Path) -> str:
+    """The job token in ``path``; a new random one is written there (0600) if it is missing."""
+    if path.exists():
+        token = path.read_text().strip()
+        if len(token) < 16:
+            raise ValueError(f"token file {path} holds no token; delete it to have one made")
+        return token
+    token = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+async def _serve(
+    cfg: JobConfig, token: str, host: str, port: int, resume: JobState | None
+) -> tuple[JobState, int]:
+    store = Store(Path(cfg.run_dir))
+    controller = Controller(cfg, token, store, host=host, port=port, resume=resume)
+    host, port = await controller.start()
+    info = Path(cfg.run_dir) / "controller.json"
+    info.write_text(json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()}))
+    got: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (got.append(s), controller.request_stop()))
+    print(
+        f"trainguard: controller on {host}:{port} ({'resumed' if resume else 'new job'}); "
+        f"start agents with: trainguard agent --controller {host}:{port} "
+        f"--token-file <copy of the token file> --node-id <name> --advertise-addr <this host>",
+        file=sys.stderr,
+        flush=True,
+    )
+    state = await controller.wait_done()
+    # Agents see the terminal state and exit; give them a moment to fetch it.
+    await asyncio.sleep(min(5.0, cfg.heartbeat_s * 4))
+    store.record("job_ended", {"phase": state.phase.value, "reason": state.reason})
+    await controller.close()
+    store.close()
+    return state, (got[0] if got else 0)
+
+
+def controller_command(args: argparse.Namespace) -> int:
+    args.nodes = parse_nodes(args.nodes)
+    host, port = parse_bind(args.bind)
+    cfg = build_config(args)
+    run_dir = Path(cfg.run_dir)
+    lock = _lock_run_dir(run_dir)  # noqa: F841 - held until this process exits
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
+    )
+    token = read_or_create_token(args.token_file or run_dir / "token")
+    resume = None
+    if (run_dir / "job.sqlite").exists():
+        store = Store(run_dir)
+        try:
+            saved = store.get("state")
+        finally:
+            store.close()
+        if saved is not None:
+            try:
+                state = state_from_json(saved)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"{run_dir}/job.sqlite holds a controller state this version cannot read "
+                    f"({e}); pass another --run-dir"
+                ) from None
+            if not state.phase.terminal:
+                resume = state
+    state, sig = asyncio.run(_serve(cfg, token, host, port, resume))
+    return finish(cfg, state, sig)

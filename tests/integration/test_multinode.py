@@ -1,0 +1,232 @@
+"""Several hosts (network namespaces joined by a bridge): a controller, an agent per host,
+and real faults — a host's processes SIGKILLed, a host's link cut, the controller
+SIGKILLed. Each job must finish with the same per-step losses as a fault-free run."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    FAST_CONFIG,
+    GPT,
+    ROOT,
+    TINY,
+    losses,
+    reached_step,
+    run_job,
+    trainguard_cmd,
+    wait_for,
+)
+from tests.conftest import events as read_events
+from tests.netns import Hosts
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+STEPS = 120  # long enough (~3 s) that the faults below land mid-run
+ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "5"]
+
+
+class Job:
+    """``trainguard controller`` on the bridge plus ``trainguard agent`` in each namespace."""
+
+    def __init__(self, hosts: Hosts, run_dir: Path, nodes: int, standby: int) -> None:
+        self.hosts, self.run_dir = hosts, run_dir
+        self.ctl_args = ["--nodes", str(nodes), "--standby", str(standby)]
+        self.controller: subprocess.Popen[str] | None = None
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.addr = ""
+        self.port = 0
+
+    def start_controller(self) -> None:
+        cfg = self.run_dir.parent / f"{self.run_dir.name}.toml"
+        cfg.write_text(FAST_CONFIG)
+        info = self.run_dir / "controller.json"
+        info.unlink(missing_ok=True)
+        bind = f"{self.hosts.gateway}:{self.port}"
+        cmd = trainguard_cmd(
+            "controller", "--bind", bind, "--run-dir", self.run_dir, "--config", cfg,
+            *self.ctl_args, GPT, *ARGS,
+        )  # fmt: skip
+        self.controller = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        wait_for(info.exists, 60, "the controller to listen")
+        self.addr = json.loads(info.read_text())["addr"]
+        self.port = int(self.addr.rsplit(":", 1)[1])  # a restart binds the same port
+
+    def start_agents(self) -> None:
+        for i, addr in enumerate(self.hosts.addrs):
+            log = open(self.run_dir / f"agent-h{i}.out", "ab")  # noqa: SIM115
+            cmd = trainguard_cmd(
+                "agent", "--controller", self.addr, "--token-file", self.run_dir / "token",
+                "--node-id", f"h{i}", "--advertise-addr", addr, "--run-dir", self.run_dir,
+            )  # fmt: skip
+            self.agents.append(
+                subprocess.Popen(self.hosts.cmd(i, cmd), stdout=log, stderr=log, cwd=ROOT)
+            )
+            log.close()
+
+    def host_of_rank(self, node_rank: int) -> int:
+        """The host given ``node_rank`` (asked through ``trainguard status``, once assigned)."""
+
+        def ask() -> str | None:
+            out = subprocess.run(
+                trainguard_cmd("status", "--run-dir", self.run_dir, "--json"),
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
+            nodes = [n for n, r in json.loads(out)["assignment"].items() if r == node_rank]
+            return nodes[0] if nodes else None
+
+        return int(str(wait_for(ask, 60, f"node rank {node_rank} assigned")).removeprefix("h"))
+
+    def wait(self, timeout: float = 240) -> str:
+        assert self.controller is not None
+        _, err = self.controller.communicate(timeout=timeout)
+        assert self.controller.returncode == 0, err[-3000:]
+        for a in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.wait(timeout=30)
+        return err
+
+    def close(self) -> None:
+        for p in [self.controller, *self.agents]:
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The fault-free run's losses (two nodes on loopback, same model, data and seed)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    res = run_job(run_dir, ["--nodes", "2"], ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return losses(run_dir)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    h = Hosts(3).up()
+    try:
+        yield h
+    finally:
+        h.down()
+
+
+@pytest.fixture
+def job(hosts: Hosts, tmp_path: Path) -> Iterator[Job]:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    j = Job(hosts, run_dir, nodes=2, standby=1)
+    try:
+        yield j
+    finally:
+        j.close()
+        hosts.down()  # every host's processes first, then what a killed host left in memory
+        _lose_memory(run_dir, "")
+
+
+def _lose_memory(run_dir: Path, node: str) -> None:
+    """A host that lost power lost its memory: remove its snapshot slots ("" = every host)."""
+    job = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    for seg in Path("/dev/shm").glob(f"trainguard-{job}-{node + '-' if node else ''}*"):
+        seg.unlink(missing_ok=True)
+
+
+def _fault(evs: list[dict[str, object]]) -> tuple[object, object] | None:
+    """(cause, node) of the first generation's fault, as finally attributed."""
+    faults = [e for e in evs if e["kind"] in ("fault", "fault_refined") and e["generation"] == 0]
+    return (faults[-1]["cause"], faults[-1]["node_id"]) if faults else None
+
+
+def test_host_sigkill_is_replaced_by_the_standby(job: Job, reference: dict[int, float]) -> None:
+    job.start_controller()
+    job.start_agents()
+    victim = job.host_of_rank(0)  # the host of the rendezvous store, the hardest to lose
+    wait_for(lambda: reached_step(job.run_dir, 15), 120, "step 15")
+    assert job.hosts.kill_all(victim)
+    _lose_memory(job.run_dir, f"h{victim}")
+    job.wait()
+    assert losses(job.run_dir) == reference
+    evs = read_events(job.run_dir)
+    assert _fault(evs) == ("node_lost", f"h{victim}")
+    moves = [e for e in evs if e["kind"] == "pool_changed" and e.get("node") == f"h{victim}"]
+    assert moves and moves[0]["to"] == "faulty", moves
+
+
+def test_cut_link_is_replaced_by_the_standby(job: Job, reference: dict[int, float]) -> None:
+    job.start_controller()
+    job.start_agents()
+    victim = job.host_of_rank(1)
+    wait_for(lambda: reached_step(job.run_dir, 15), 120, "step 15")
+    job.hosts.cut(victim)
+    job.wait()
+    assert losses(job.run_dir) == reference
+    assert _fault(read_events(job.run_dir)) == ("node_lost", f"h{victim}")
+    # the cut host fenced itself: it stopped its workers once the controller was out of reach
+    log = (job.run_dir / f"agent-h{victim}.out").read_text()
+    assert "stopping our workers (fencing)" in log
+    assert log.count("(fencing)") == 1, "a fenced agent must not restart its workers"
+
+
+def test_controller_sigkill_and_restart_keeps_the_workers(
+    job: Job, reference: dict[int, float]
+) -> None:
+    job.start_controller()
+    job.start_agents()
+    wait_for(lambda: reached_step(job.run_dir, 10), 120, "step 10")
+    assert job.controller is not None
+    job.controller.send_signal(signal.SIGKILL)
+    job.controller.wait(timeout=10)
+    job.start_controller()  # the same command, the same run dir
+    job.wait()
+    assert losses(job.run_dir) == reference
+    evs = read_events(job.run_dir)
+    assert any(e["kind"] == "controller_restarted" for e in evs)
+    assert _fault(evs) is None, "no fault, no worker restarted"
+    assert {e["generation"] for e in evs if e["kind"] == "worker_started"} == {0}
+
+
+def test_unauthenticated_clients_are_refused(job: Job) -> None:
+    job.start_controller()
+    base = f"http://{job.addr}"
+    for method, path, body in (
+        ("GET", "/v1/status", None),
+        ("GET", "/v1/desired?node=h0&version=0&wait_s=0", None),
+        ("POST", "/v1/stop", b"{}"),
+        ("POST", "/v1/report", json.dumps({"node_id": "evil", "addr": "1.2.3.4"}).encode()),
+    ):
+        for auth in (None, "Bearer " + "00" * 16):
+            req = urllib.request.Request(base + path, method=method, data=body)
+            if auth:
+                req.add_header("Authorization", auth)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 401, (method, path)
+    status = subprocess.run(
+        trainguard_cmd("status", "--controller", job.addr, "--token-file", os.devnull),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 2 and "token" in status.stderr
+    # the job is untouched: the controller still waits for its nodes, nobody joined
+    evs = read_events(job.run_dir)
+    assert not [e for e in evs if e["kind"] == "node_joined"]
+    assert job.controller is not None and job.controller.poll() is None
+    job.controller.send_signal(signal.SIGTERM)
+    job.controller.wait(timeout=30)
