@@ -32,7 +32,10 @@ from tests.conftest import events as read_events
 from tests.netns import Hosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-STEPS = 120  # long enough (~3 s) that the faults below land mid-run
+STEPS = 60
+# Steps of ~0.1 s (a sleep on rank 0; losses are unchanged): long enough that the faults
+# land mid-run and that peer replicas keep up with training, as with real step times.
+PACE = ["--inject", "slow:rank=0:factor=5"]
 ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "5"]
 
 
@@ -41,7 +44,7 @@ class Job:
 
     def __init__(self, hosts: Hosts, run_dir: Path, nodes: int, standby: int) -> None:
         self.hosts, self.run_dir = hosts, run_dir
-        self.ctl_args = ["--nodes", str(nodes), "--standby", str(standby)]
+        self.ctl_args = ["--nodes", str(nodes), "--standby", str(standby), *PACE]
         self.controller: subprocess.Popen[str] | None = None
         self.agents: list[subprocess.Popen[bytes]] = []
         self.addr = ""
@@ -166,6 +169,11 @@ def test_host_sigkill_is_replaced_by_the_standby(job: Job, reference: dict[int, 
     assert _fault(evs) == ("node_lost", f"h{victim}")
     moves = [e for e in evs if e["kind"] == "pool_changed" and e.get("node") == f"h{victim}"]
     assert moves and moves[0]["to"] == "faulty", moves
+    # The lost host's memory is gone; its rank's snapshot came from the peer replica.
+    (gen1,) = [e for e in evs if e["kind"] == "generation_started" and e["generation"] == 1]
+    assert gen1["restore_tiers"] == {"memory": 1, "replica": 1, "durable": 0}, gen1
+    loads = {e["rank"]: e["tier"] for e in evs if e["kind"] == "ckpt_load_end"}
+    assert sorted(loads.values()) == ["memory", "replica"], loads
 
 
 def test_cut_link_is_replaced_by_the_standby(job: Job, reference: dict[int, float]) -> None:

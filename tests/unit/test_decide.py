@@ -266,9 +266,15 @@ def test_restore_point_prefers_a_memory_copy_every_rank_holds() -> None:
     sim.tick()
     sim.obs["node0"].memory = {0: [(21, 0), (22, 0)]}
     sim.obs["node1"].memory = {1: [(20, 0), (21, 0)]}
-    assert restore_point(sim.s, sim.obs, sim.c, [(20, 0)]) == ((21, 0), {"memory": 2, "durable": 0})
+    assert restore_point(sim.s, sim.obs, sim.c, [(20, 0)]) == (
+        (21, 0),
+        {"memory": 2, "replica": 0, "durable": 0},
+    )
     sim.obs["node1"].memory = {}  # node1 replaced: its memory is gone, the durable copy serves
-    assert restore_point(sim.s, sim.obs, sim.c, [(20, 0)]) == ((20, 0), {"memory": 0, "durable": 2})
+    assert restore_point(sim.s, sim.obs, sim.c, [(20, 0)]) == (
+        (20, 0),
+        {"memory": 0, "replica": 0, "durable": 2},
+    )
     sim.obs["node1"].memory = {
         1: [(22, 1)]
     }  # same step from another generation is not the same copy

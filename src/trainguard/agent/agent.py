@@ -118,6 +118,9 @@ class Agent:
         self._ckptd: subprocess.Popen[bytes] | None = None
         self._ckptd_client: ckptd_mod.CkptdClient | None = None
         self._memory: dict[str, Any] = {}
+        self._replicas: dict[str, Any] = {}  # source rank → [(step, gen)] held for peers
+        self._replica_addr: str | None = None  # our ckptd's replica server
+        self._replica_peer: str | None = None  # where our ckptd replicates to (told to it)
         # Spares carry the run dir so that every process of a job can be attributed to it.
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
         self.spares = wk.SparePool(spare_env, self._spare_log)
@@ -171,6 +174,7 @@ class Agent:
             rt_api.ENV_MEMORY_TIER: "1" if d["ckpt"]["memory_tier"] else "0",
             rt_api.ENV_SHM_DIR: str(d["ckpt"]["shm_dir"]),
             rt_api.ENV_JOB_ID: self.job_id,
+            rt_api.ENV_REPLICA_SOURCE: str(d.get("replica_sources", {}).get(str(rank), "")),
             rt_api.ENV_NODE_ID: self.cfg.node_id,
         }
 
@@ -236,8 +240,14 @@ class Agent:
                 shm_dir=Path(ckpt["shm_dir"]),
                 keep=int(ckpt["keep"]),
                 log=self.cfg.run_dir / "logs" / f"ckptd.{self.cfg.node_id}.log",
-                env={**os.environ, "TRAINGUARD_AGENT_PID": str(os.getpid())},
+                env={
+                    **os.environ,
+                    "TRAINGUARD_AGENT_PID": str(os.getpid()),
+                    "TRAINGUARD_TOKEN": self.cfg.token,
+                },
+                replica_bind=self.cfg.addr,
             )
+            self._replica_peer = None  # a new ckptd must be told its peer again
         except ckptd_mod.CheckpointError as e:
             log.error("%s", e)  # workers fail on their first save and report it; retried next loop
 
@@ -258,6 +268,15 @@ class Agent:
             self._ckptd_client = None
             return
         self._memory = st["memory"]
+        self._replicas = st.get("replicas", {})
+        self._replica_addr = st.get("replica_addr")
+        want = self._desired[1].get("replica_peer")
+        if want != self._replica_peer:
+            try:
+                self._ckptd_client.call({"op": "set_peer", "addr": want}, timeout_s=2.0)
+                self._replica_peer = want
+            except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
+                log.warning("telling ckptd its replica peer failed: %s", e)
         with self._lock:
             self._events.extend(st["events"])
 
@@ -577,6 +596,8 @@ class Agent:
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
             "memory": self._memory,
+            "replicas": self._replicas,
+            "replica_addr": self._replica_addr,
             "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],
         }
 

@@ -161,6 +161,12 @@ class _Remote:
         with contextlib.suppress(CheckpointError):
             self._call({"op": "forget", "slot": str(slot)}, reconnect_s=5.0)
 
+    def fetch(self, rank: int, step: int, gen: int, source: str) -> None:
+        """Have ckptd pull this rank's replica of (step, gen) from the peer at ``source`` into
+        this node's slot. Raises CheckpointError (peer unreachable, no such replica, corrupt)."""
+        req = {"op": "fetch", "rank": rank, "step": step, "generation": gen, "source": source}
+        self._call(req, timeout_s=VERIFY_WAIT_S)
+
     def verify(self, rank: int, step: int, gen: int, for_generation: int) -> dict[str, Any] | None:
         """ckptd's verdict on the rank's snapshot of (step, gen) for this restart; None when
         ckptd is unreachable for 5 s (the caller then checksums the slot itself)."""
@@ -230,6 +236,7 @@ class Checkpointer:
         self._copied.set()
         self._copy_error: BaseException | None = None
         self._last_durable: int | None = None
+        self._tier = "memory"  # where the last load came from (memory | replica | durable)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
@@ -396,9 +403,10 @@ class Checkpointer:
             gen = int(os.environ.get(rt_api.ENV_RESTORE_GEN, "-1"))
             t0 = time.time()
             self._rt.event("ckpt_load_start", step=step)
+            self._tier = "memory"
             if self.memory_tier and self._load_memory(state, rank, step, gen):
                 self._rt.event(
-                    "ckpt_load_end", step=step, tier="memory", duration_s=time.time() - t0
+                    "ckpt_load_end", step=step, tier=self._tier, duration_s=time.time() - t0
                 )
                 return step
             problems = storage.verify(self.root, step)
@@ -433,6 +441,16 @@ class Checkpointer:
         node = os.environ.get(rt_api.ENV_NODE_ID, "")
         shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
         backend = self._connect()
+        source = os.environ.get(rt_api.ENV_REPLICA_SOURCE, "")
+        if source and isinstance(backend, _Remote):  # our node is new: the copy is on a peer
+            have = [snapshot.peek_header(p) for p in snapshot.slot_paths(shm, name_job, node, rank)]
+            if not any(h and (h["step"], h["generation"]) == (step, gen) for h in have):
+                try:
+                    backend.fetch(rank, step, gen, source)
+                except CheckpointError as e:
+                    self._rt.event("ckpt_corrupt", step=step, tier="replica", problems=[str(e)])
+                    return False
+                self._tier = "replica"
         verified: str | None = None  # the slot's name
         if isinstance(backend, _Remote):  # ckptd checks the slot (usually done during the restart)
             reply = backend.verify(rank, step, gen, self._rt.generation)

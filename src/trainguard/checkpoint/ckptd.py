@@ -15,6 +15,9 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
   "ok": bool, "problem": str | None}``: re-checksums the rank's slot holding that snapshot, once
   per restarting generation (the agent asks as it launches the workers, so the check runs
   during the restart; the worker's ask then finds it done and copies without checksumming)
+- ``{"op": "set_peer", "addr": "host:port" | null}`` → replicate verified snapshots there
+- ``{"op": "fetch", "rank", "step", "generation", "source"}`` → pulls that rank's replica from
+  the ckptd at ``source`` into this node's slot (verified), for a restore on a new node
 - ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "events": […]}`` (events drained)
 - ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
 """
@@ -37,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint import snapshot
+from trainguard.checkpoint import replica, snapshot
 from trainguard.checkpoint.api import CheckpointError
 
 __all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name", "spawn"]
@@ -57,11 +60,33 @@ def _address(name: str) -> str:
 
 
 class Ckptd:
-    def __init__(self, *, job: str, node: str, ckpt_dir: Path, shm_dir: Path, keep: int) -> None:
-        self.job, self.node, self.shm_dir = job, node, shm_dir
+    def __init__(
+        self,
+        *,
+        job: str,
+        node: str,
+        ckpt_dir: Path,
+        shm_dir: Path,
+        keep: int,
+        replica_bind: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.job, self.node, self.shm_dir, self.token = job, node, shm_dir, token
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self.persister = Persister(ckpt_dir, keep=keep, emit=self._emit)
+        self.replicas: replica.ReplicaServer | None = None
+        self.replicator: replica.Replicator | None = None
+        if replica_bind and token:
+            self.replicas = replica.ReplicaServer(
+                token=token, bind=replica_bind, shm_dir=shm_dir, job=job, node=node, emit=self._emit
+            )
+            self.replicator = replica.Replicator(token, self._emit)
+        self.persister = Persister(
+            ckpt_dir,
+            keep=keep,
+            emit=self._emit,
+            on_verified=self.replicator.offer if self.replicator else None,
+        )
         self._stop = threading.Event()
         self._unlink = False
         # (rank, step, generation, for_generation) → the verification, run once
@@ -91,6 +116,8 @@ class Ckptd:
                 target=self._client, args=(conn,), name="ckptd-client", daemon=True
             ).start()
         self.sock.close()
+        if self.replicas is not None:
+            self.replicas.close()
         self.persister.close(timeout_s=60.0)
         if self._unlink:
             for path in self.slots():
@@ -166,7 +193,11 @@ class Ckptd:
                 v = self._verifications.setdefault(
                     (*key, int(req["for_generation"])), _Verification()
                 )
-            return v.result(lambda: self._verify(*key))
+            result = v.result(lambda: self._verify(*key))
+            if result["slot"] is None:  # nothing here yet (a replica may be fetched): ask again
+                with self._lock:
+                    self._verifications.pop((*key, int(req["for_generation"])), None)
+            return result
         if op == "forget":
             self.persister.forget(Path(req["slot"]))
             return {"ok": True}
@@ -177,7 +208,27 @@ class Ckptd:
                 "memory": {str(r): v for r, v in self.persister.memory_index().items()},
                 "events": events,
                 "idle": self.persister.idle(),
+                "replica_addr": self.replicas.addr if self.replicas else None,
+                "replicas": {str(r): v for r, v in self.replicas.index().items()}
+                if self.replicas
+                else {},
             }
+        if op == "set_peer":
+            if self.replicator is not None:
+                self.replicator.set_peer(req.get("addr"))
+            return {"ok": True}
+        if op == "fetch":
+            if self.token is None:
+                raise CheckpointError("this ckptd has no job token: replicas are off")
+            rank, step, gen = int(req["rank"]), int(req["step"]), int(req["generation"])
+            dest = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)[0]
+            try:
+                replica.pull(str(req["source"]), self.token, dest, rank, step, gen)
+            except (OSError, ConnectionError) as e:
+                raise CheckpointError(f"fetching rank {rank}'s replica failed: {e}") from e
+            self.persister.adopt(rank, dest)
+            self._emit("replica_fetched", rank=rank, step=step, source=str(req["source"]))
+            return {"ok": True, "slot": str(dest)}
         if op == "shutdown":
             self._unlink = bool(req.get("unlink"))
             self._stop.set()
@@ -209,6 +260,7 @@ def spawn(
     log: Path,
     env: dict[str, str] | None = None,
     timeout_s: float = 30.0,
+    replica_bind: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start a ckptd process and wait (``timeout_s``) until it accepts connections.
 
@@ -231,6 +283,7 @@ def spawn(
                 str(shm_dir),
                 "--keep",
                 str(keep),
+                *(["--replica-bind", replica_bind] if replica_bind else []),
             ],
             stdout=f,
             stderr=f,
@@ -288,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--replica-bind", default=None, help="serve peer replicas on this address")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -301,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != parent:
             return 1
     d = Ckptd(
-        job=args.job, node=args.node, ckpt_dir=args.ckpt_dir, shm_dir=args.shm_dir, keep=args.keep
+        job=args.job,
+        node=args.node,
+        ckpt_dir=args.ckpt_dir,
+        shm_dir=args.shm_dir,
+        keep=args.keep,
+        replica_bind=args.replica_bind,
+        token=os.environ.get("TRAINGUARD_TOKEN"),
     )
     signal.signal(signal.SIGTERM, lambda *_: d._stop.set())
     log.info(

@@ -197,9 +197,16 @@ class Persister:
     """
 
     def __init__(
-        self, root: Path, *, keep: int = 2, emit: Emit, commit_timeout_s: float = 600.0
+        self,
+        root: Path,
+        *,
+        keep: int = 2,
+        emit: Emit,
+        commit_timeout_s: float = 600.0,
+        on_verified: Callable[[int, Path, int, int, Any], None] | None = None,
     ) -> None:
         self.root, self.keep, self.emit = root, keep, emit
+        self.on_verified = on_verified  # (rank, slot, step, gen, sums): e.g. replicate it
         self.commit_timeout_s = commit_timeout_s
         self._cv = threading.Condition()
         self._pending: dict[
@@ -353,6 +360,8 @@ class Persister:
                 with self._cv:
                     self._verified.setdefault(rank, {})[str(slot_path)] = (step, gen)
                 self.emit("ckpt_staged", rank=rank, step=step, snapshot_generation=gen)
+                if self.on_verified is not None:
+                    self.on_verified(rank, slot_path, step, gen, sums)
                 if not durable:
                     return
                 tensors, blob = slot.views(h)

@@ -179,6 +179,10 @@ class NodeObs:
     memory: dict[int, list[tuple[int, int]]] = dataclasses.field(
         default_factory=dict
     )  # rank → verified (step, gen) in ckptd
+    replicas: dict[int, list[tuple[int, int]]] = dataclasses.field(
+        default_factory=dict
+    )  # source rank → verified (step, gen) replicas this node holds for peers
+    replica_addr: str | None = None  # host:port of this node's ckptd replica server
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -49,6 +49,8 @@ class JobState:
     restore_gen: int | None = (
         None  # generation that wrote restore_step (the same copy on every rank)
     )
+    # rank → replica server to fetch the restore point from (ranks on replaced nodes)
+    restore_sources: dict[str, str] = dataclasses.field(default_factory=dict)
     restarts: int = 0
     fired: list[int] = dataclasses.field(default_factory=list)  # inject ids that fired
     recovery: Recovery | None = None  # in progress
@@ -395,21 +397,70 @@ def restore_point(
 ) -> tuple[tuple[int, int] | None, dict[str, int]]:
     """The newest (step, generation) that every rank of the assignment can restore, and how
     many ranks read it from each tier. A point is restorable when it is durable, or when
-    every rank's node holds a verified memory copy of it for that rank."""
+    every rank can read a verified memory copy of it: on its own node, or as a replica on
+    another live node (replica_sources says where)."""
     ranks: dict[int, set[tuple[int, int]]] = {}
+    local: dict[int, set[tuple[int, int]]] = {}
     for node, node_rank in s.assignment.items():
         mem = obs[node].memory if node in obs else {}
-        for local in range(cfg.nproc_per_node):
-            rank = node_rank * cfg.nproc_per_node + local
-            ranks[rank] = {tuple(p) for p in mem.get(rank, [])}  # type: ignore[misc]
+        for i in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + i
+            local[rank] = {tuple(p) for p in mem.get(rank, [])}  # type: ignore[misc]
+            ranks[rank] = local[rank] | {
+                tuple(p)  # type: ignore[misc]
+                for n, o in obs.items()
+                if n != node and o.replica_addr
+                for p in o.replicas.get(rank, [])
+            }
     in_memory = set.intersection(*ranks.values()) if ranks else set()
     candidates = in_memory | set(durable)
     if not candidates:
         return None, {}
     point = max(candidates)
-    tiers = {"memory": sum(point in m for m in ranks.values())}
-    tiers["durable"] = len(ranks) - tiers["memory"]
+    tiers = {"memory": sum(point in m for m in local.values())}
+    tiers["replica"] = sum(point in ranks[r] and point not in local[r] for r in ranks)
+    tiers["durable"] = len(ranks) - tiers["memory"] - tiers["replica"]
     return point, tiers
+
+
+def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
+    """rank → replica server of a live node holding the restore point for a rank whose own
+    node does not (a replaced node's ranks)."""
+    if s.restore_step is None or s.restore_gen is None:
+        return {}
+    point = (s.restore_step, s.restore_gen)
+    out: dict[str, str] = {}
+    for node, node_rank in s.assignment.items():
+        mem = obs[node].memory if node in obs else {}
+        for i in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + i
+            if point in {tuple(p) for p in mem.get(rank, [])}:
+                continue
+            for n, o in sorted(obs.items()):
+                if (
+                    n != node
+                    and o.replica_addr
+                    and point in {tuple(p) for p in o.replicas.get(rank, [])}
+                ):
+                    out[str(rank)] = o.replica_addr
+                    break
+    return out
+
+
+def replica_peer(s: JobState, node_id: str, obs: dict[str, NodeObs]) -> str | None:
+    """Where ``node_id``'s ckptd replicates: the next node by node rank (a ring); a one-node
+    job replicates to a standby node if there is one."""
+    ring = sorted(s.assignment, key=lambda n: s.assignment[n])
+    if node_id not in ring:
+        return None
+    if len(ring) > 1:
+        peer = ring[(ring.index(node_id) + 1) % len(ring)]
+    else:
+        standby = sorted(n for n, p in s.pools.items() if p == Pool.STANDBY and n in obs)
+        if not standby:
+            return None
+        peer = standby[0]
+    return obs[peer].replica_addr if peer in obs else None
 
 
 def _apply_policy(
@@ -530,6 +581,7 @@ def _start_generation(
     s.master_port = None
     s.restore_step = ckpt_step
     s.restore_gen = point[1] if point else None
+    s.restore_sources = replica_sources(s, obs, cfg)
     for n in s.assignment:
         s.pools[n] = Pool.RUNNING
     s.gen_incarnations = {n: s.incarnations.get(n, "") for n in s.assignment}
@@ -548,6 +600,7 @@ def _start_generation(
                 "restore_step": ckpt_step,
                 "restore_generation": s.restore_gen,
                 "restore_tiers": tiers,
+                "replica_sources": s.restore_sources,
             },
         )
     )
@@ -610,4 +663,6 @@ def desired_for(
         "first_step_timeout_s": cfg.first_step_timeout_s,
         "heartbeat_s": cfg.heartbeat_s,
         "node_timeout_s": cfg.node_timeout_s,
+        "replica_peer": replica_peer(s, node_id, obs),
+        "replica_sources": s.restore_sources,
     }

@@ -217,6 +217,10 @@ class Controller:
             stopped_at=body.get("stopped_at"),
             cleaned_at=body.get("cleaned_at"),
             memory={int(r): [tuple(p) for p in v] for r, v in (body.get("memory") or {}).items()},
+            replicas={
+                int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()
+            },
+            replica_addr=body.get("replica_addr"),
             store=tuple(store) if store else None,  # type: ignore[arg-type]
         )
         for ev in body.get("events", []):

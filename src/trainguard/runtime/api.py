@@ -23,5 +23,6 @@ ENV_SHM_DIR = "TRAINGUARD_SHM_DIR"  # where snapshot slots live (default /dev/sh
 ENV_MEMORY_TIER = "TRAINGUARD_MEMORY_TIER"  # "0" = durable-only checkpoints
 ENV_JOB_ID = "TRAINGUARD_JOB_ID"  # short job id (names shm slots)
 ENV_NODE_ID = "TRAINGUARD_NODE_ID"  # this node's id
+ENV_REPLICA_SOURCE = "TRAINGUARD_REPLICA_SOURCE"  # host:port of a ckptd holding our replica
 
 DEFAULT_HEARTBEAT_S = 0.5
