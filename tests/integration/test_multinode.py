@@ -29,7 +29,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.conftest import events as read_events
-from tests.netns import Hosts
+from trainguard.faults.netns import Hosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 STEPS = 60

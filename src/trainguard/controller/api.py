@@ -91,6 +91,7 @@ class JobConfig:
     no_progress_generations: int = 3  # generations in a row without a new checkpoint → FAILED
     user_error_generations: int = 2  # generations in a row failing before step 1 → FAILED
     memory_tier: bool = True  # snapshots in node memory (ckptd); False = synchronous DCP to disk
+    replicas: bool = True  # each node's snapshots also kept in the next node's memory
     shm_dir: str = "/dev/shm"  # where snapshot slots live
     keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
     checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints

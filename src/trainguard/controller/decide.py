@@ -409,7 +409,7 @@ def restore_point(
             ranks[rank] = local[rank] | {
                 tuple(p)  # type: ignore[misc]
                 for n, o in obs.items()
-                if n != node and o.replica_addr
+                if n != node and o.replica_addr and cfg.replicas and _healthy(s, n)
                 for p in o.replicas.get(rank, [])
             }
     in_memory = set.intersection(*ranks.values()) if ranks else set()
@@ -423,10 +423,14 @@ def restore_point(
     return point, tiers
 
 
+def _healthy(s: JobState, node: str) -> bool:
+    return s.pools.get(node) in (Pool.RUNNING, Pool.STANDBY)
+
+
 def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
     """rank → replica server of a live node holding the restore point for a rank whose own
     node does not (a replaced node's ranks)."""
-    if s.restore_step is None or s.restore_gen is None:
+    if s.restore_step is None or s.restore_gen is None or not cfg.replicas:
         return {}
     point = (s.restore_step, s.restore_gen)
     out: dict[str, str] = {}
@@ -440,6 +444,7 @@ def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dic
                 if (
                     n != node
                     and o.replica_addr
+                    and _healthy(s, n)
                     and point in {tuple(p) for p in o.replicas.get(rank, [])}
                 ):
                     out[str(rank)] = o.replica_addr
@@ -663,6 +668,6 @@ def desired_for(
         "first_step_timeout_s": cfg.first_step_timeout_s,
         "heartbeat_s": cfg.heartbeat_s,
         "node_timeout_s": cfg.node_timeout_s,
-        "replica_peer": replica_peer(s, node_id, obs),
+        "replica_peer": replica_peer(s, node_id, obs) if cfg.replicas else None,
         "replica_sources": s.restore_sources,
     }

@@ -1,4 +1,5 @@
-"""Hosts as Linux network namespaces on one machine, joined by a bridge (tests only; root).
+"""Hosts as Linux network namespaces on one machine, joined by a bridge (tests, benchmarks;
+needs root).
 
 Each host gets its own namespace with one interface ``eth0`` at ``10.<a>.<b>.<i+2>/24``;
 the bridge in the root namespace holds ``.1`` (where a controller binds). Everything is

@@ -1,0 +1,161 @@
+"""Node loss → first resumed step: restore from a peer replica vs from the durable tier.
+
+Three hosts (network namespaces joined by a bridge; needs root): two run the GPT
+example (its default size, one rank each), one is standby. At ``--kill-step`` every
+process of the host running node rank 1 is SIGKILLed and its memory (its /dev/shm
+slots) dropped, as in a power loss. The standby takes its place; its rank restores
+either from the replica the lost host's ckptd kept in its ring peer's memory
+(``replicas = true``) or, with replicas off, every rank from the durable tier (the
+example persists every ``--durable-every`` steps). Both runs in one invocation; each
+recovery phase is printed side by side (seconds, from the controller's record).
+
+Run: ``python benchmarks/node_recovery.py`` (``--json`` for one object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from trainguard.controller.api import RECOVERY_PHASES  # noqa: E402
+from trainguard.faults.netns import Hosts  # noqa: E402
+
+GPT = ROOT / "examples" / "gpt" / "train.py"
+CONFIG = """
+heartbeat_s = 0.2
+node_timeout_s = 3.0
+fault_stop_grace_s = 0.1
+replicas = {replicas}
+"""
+
+
+def _tg(*args: object) -> list[str]:
+    return [sys.executable, "-m", "trainguard", *map(str, args)]
+
+
+def _reached(run_dir: Path, step: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(
+        json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x.strip()
+    )
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def one_run(tmp: Path, replicas: bool, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = tmp / ("replica" if replicas else "durable")
+    run_dir.mkdir()
+    cfg = tmp / f"{run_dir.name}.toml"
+    cfg.write_text(CONFIG.format(replicas=str(replicas).lower()))
+    hosts = Hosts(3).up()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        ctl = subprocess.Popen(
+            _tg("controller", "--bind", f"{hosts.gateway}:0", "--run-dir", run_dir,
+                "--config", cfg, "--nodes", "2", "--standby", "1", GPT,
+                "--steps", args.steps, "--durable-every", args.durable_every),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
+        )  # fmt: skip
+        procs.append(ctl)  # type: ignore[arg-type]
+        info = run_dir / "controller.json"
+        _wait(info.exists, 60, "the controller")
+        addr = json.loads(info.read_text())["addr"]
+        for i, a in enumerate(hosts.addrs):
+            agent = _tg("agent", "--controller", addr, "--token-file", run_dir / "token",
+                        "--node-id", f"h{i}", "--advertise-addr", a, "--run-dir", run_dir)  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    hosts.cmd(i, agent),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    cwd=ROOT,
+                )  # fmt: skip
+            )
+
+        def rank1_host() -> int | None:
+            st = json.loads(subprocess.run(
+                _tg("status", "--run-dir", run_dir, "--json"), capture_output=True, text=True,
+                timeout=30, check=True).stdout)  # fmt: skip
+            nodes = [n for n, r in st["assignment"].items() if r == 1]
+            return int(nodes[0][1:]) if nodes else None
+
+        victim = _wait(rank1_host, 120, "node rank 1")
+        _wait(lambda: _reached(run_dir, args.kill_step), 600, f"step {args.kill_step}")
+        hosts.kill_all(victim)
+        job = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+        for seg in Path("/dev/shm").glob(f"trainguard-{job}-h{victim}-*"):
+            seg.unlink(missing_ok=True)  # a host that lost power lost its memory
+        _, err = ctl.communicate(timeout=900)
+        if ctl.returncode != 0:
+            raise RuntimeError(f"the run failed:\n{err.decode()[-3000:]}")
+        rep = json.loads(subprocess.run(
+            _tg("report", "--run-dir", run_dir, "--json"), capture_output=True, text=True,
+            timeout=60, check=True).stdout)  # fmt: skip
+        (rec,) = rep["recoveries"]
+        return {
+            "phases_s": rec["phases_s"],
+            "restore_step": rec["restore_step"],
+            "restore_tiers": rec["restore_tiers"],
+            "steps_lost": rec["steps_lost"],
+        }
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        hosts.down()
+        for seg in Path("/dev/shm").glob("trainguard-*"):
+            if (
+                seg.name.split("-")[1]
+                == hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+            ):
+                seg.unlink(missing_ok=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--kill-step", type=int, default=25)
+    p.add_argument("--durable-every", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="tg-noderec-"))
+    try:
+        r = {"replica": one_run(tmp, True, args), "durable": one_run(tmp, False, args)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{'phase (s)':22s} {'peer replica':>14s} {'durable tier':>14s}")
+    for name in RECOVERY_PHASES:
+        a, b = r["replica"]["phases_s"].get(name), r["durable"]["phases_s"].get(name)
+        fa = "-" if a is None else f"{a:.3f}"
+        fb = "-" if b is None else f"{b:.3f}"
+        print(f"{name:22s} {fa:>14s} {fb:>14s}")
+    for key in ("restore_step", "steps_lost", "restore_tiers"):
+        print(f"{key:22s} {str(r['replica'][key]):>14s} {str(r['durable'][key]):>14s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
