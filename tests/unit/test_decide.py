@@ -305,3 +305,35 @@ def test_state_survives_the_store_round_trip() -> None:
     assert s.recovery is not None or s.recoveries, s.phase
     back = state_from_json(json.loads(json.dumps(state_json(s))))
     assert back == s
+
+
+def test_restore_point_counts_replicas_on_healthy_nodes_only() -> None:
+    """A replaced node's rank restores from the replica its ring peer holds; replicas on a
+    node that is not healthy (lost, faulty) do not count."""
+    from trainguard.controller.decide import replica_sources, restore_point
+
+    c = cfg(nodes=2)
+    s = JobState(
+        assignment={"new": 0, "peer": 1}, pools={"new": Pool.RUNNING, "peer": Pool.RUNNING}
+    )
+    obs = {
+        "new": NodeObs(node_id="new", addr="a", incarnation="i", last_seen=0.0),
+        "peer": NodeObs(
+            node_id="peer",
+            addr="b",
+            incarnation="i",
+            last_seen=0.0,
+            memory={1: [(14, 0), (15, 0)]},
+            replicas={0: [(15, 0)]},
+            replica_addr="b:7000",
+        ),
+    }
+    point, tiers = restore_point(s, obs, c, [(10, 0)])
+    assert point == (15, 0) and tiers == {"memory": 1, "replica": 1, "durable": 0}
+    s.restore_step, s.restore_gen = 15, 0
+    assert replica_sources(s, obs, c) == {"0": "b:7000"}
+    s.pools["peer"] = Pool.FAULTY
+    assert restore_point(s, obs, c, [(10, 0)])[0] == (10, 0)
+    off = cfg(nodes=2, replicas=False)
+    s.pools["peer"] = Pool.RUNNING
+    assert restore_point(s, obs, off, [(10, 0)])[0] == (10, 0)
