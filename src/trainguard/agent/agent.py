@@ -87,6 +87,7 @@ class Agent:
 
     def __init__(self, cfg: AgentConfig) -> None:
         self._last_report_ok = time.monotonic()  # of the last report the controller took
+        self._last_warned = -1e9  # when we last logged that the controller is unreachable
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
@@ -324,6 +325,7 @@ class Agent:
         _, d = self._desired
         action = d.get("action")
         if action == "shutdown":
+            log.info("job ended (%s: %s); agent exiting", d.get("phase"), d.get("reason"))
             return True
         if "ckpt" in d:
             self._ensure_ckptd(d["ckpt"])
@@ -622,12 +624,28 @@ class Agent:
                 self._desired = (int(reply["version"]), reply["desired"])
                 self._wake.set()
 
+    def _unreachable(self, e: BaseException) -> None:
+        """Say why the controller does not answer: at once, then every 10 s while it lasts."""
+        now = time.monotonic()
+        if now - self._last_warned < 10.0:
+            return
+        self._last_warned = now
+        if isinstance(e, urllib.error.HTTPError) and e.code == 401:
+            log.error(
+                "controller %s rejected our token; pass the job's token file (RUN_DIR/token)",
+                self.cfg.controller,
+            )
+        else:
+            reason = getattr(e, "reason", e)
+            log.warning("cannot reach controller %s (%s); retrying", self.cfg.controller, reason)
+
     def _report_once(self, timeout_s: float) -> bool:
         snap = self._snapshot()
         try:
             self._accept(self._request("POST", "/v1/report", snap, timeout_s))
             return True
-        except (OSError, urllib.error.URLError, ValueError):
+        except (OSError, urllib.error.URLError, ValueError) as e:
+            self._unreachable(e)
             with self._lock:  # keep what was not delivered for the next attempt (bounded)
                 self._events[:0] = snap["events"][-10_000:]
                 for b in snap["steps"]:

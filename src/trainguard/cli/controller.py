@@ -40,6 +40,8 @@ def parse_nodes(text: str | None) -> int | None:
         raise ValueError(
             f"--nodes {text!r}: give a node count N or MIN:MAX, e.g. 2 or 2:3"
         ) from None
+    if nmin < 1 or nmin > nmax:
+        raise ValueError(f"--nodes {text}: need 1 <= MIN <= MAX")
     if nmin != nmax:
         raise ValueError(
             f"--nodes {text}: an elastic world (MIN < MAX) is not supported yet; "
@@ -70,7 +72,7 @@ def read_or_create_token(path: Path) -> str:
 
 
 async def _serve(
-    cfg: JobConfig, token: str, host: str, port: int, resume: JobState | None
+    cfg: JobConfig, token: str, token_file: Path, host: str, port: int, resume: JobState | None
 ) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
     controller = Controller(cfg, token, store, host=host, port=port, resume=resume)
@@ -83,8 +85,9 @@ async def _serve(
         loop.add_signal_handler(sig, lambda s=sig: (got.append(s), controller.request_stop()))
     print(
         f"trainguard: controller on {host}:{port} ({'resumed' if resume else 'new job'}); "
-        f"start agents with: trainguard agent --controller {host}:{port} "
-        f"--token-file <copy of the token file> --node-id <name> --advertise-addr <this host>",
+        f"start one agent per host: trainguard agent --controller {host}:{port} "
+        f"--token-file {token_file} --run-dir {cfg.run_dir} --node-id <name> "
+        "--advertise-addr <the host's address>",
         file=sys.stderr,
         flush=True,
     )
@@ -106,7 +109,8 @@ def controller_command(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
     )
-    token = read_or_create_token(args.token_file or run_dir / "token")
+    token_file = args.token_file or run_dir / "token"
+    token = read_or_create_token(token_file)
     resume = None
     if (run_dir / "job.sqlite").exists():
         store = Store(run_dir)
@@ -124,5 +128,5 @@ def controller_command(args: argparse.Namespace) -> int:
                 ) from None
             if not state.phase.terminal:
                 resume = state
-    state, sig = asyncio.run(_serve(cfg, token, host, port, resume))
+    state, sig = asyncio.run(_serve(cfg, token, token_file, host, port, resume))
     return finish(cfg, state, sig)

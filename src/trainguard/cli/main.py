@@ -143,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.agent.agent import main as agent_main
 
             token = args.token_file.read_text().strip()
+            try:
+                if len(bytes.fromhex(token)) < 8:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"--token-file {args.token_file}: not a trainguard job token; pass the "
+                    "token file the controller wrote (RUN_DIR/token)"
+                ) from None
             return agent_main(
                 AgentConfig(
                     controller=args.controller,

@@ -84,9 +84,11 @@ def status_command(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=2))
         return 0
     since = time.time() - float(st.get("phase_since", time.time()))
+    gen = "-" if st["generation"] < 0 else st["generation"]
+    restore = "-" if st.get("restore_step") is None else st["restore_step"]
     print(
-        f"phase {st['phase']} for {since:.0f}s · generation {st['generation']} · "
-        f"restarts {st['restarts']} · restore step {st.get('restore_step')} · from {source}"
+        f"phase {st['phase']} for {since:.0f}s · generation {gen} · restarts {st['restarts']} · "
+        f"restored from step {restore} · source: {source}"
     )
     for name in ("all", "normal", "abnormal", "standby", "running"):
         print(f"  {name:9s} {', '.join(st['lists'][name]) or '-'}")
