@@ -11,6 +11,7 @@ SIGTERM: every rank finishes its step, the job saves a checkpoint and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -52,6 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--durable-every", type=int, default=10, help="persist every K-th step to disk")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument(
+        "--dp-ranks",
+        type=int,
+        default=0,
+        help="data-parallel shards of the global batch (default: the world size). For an "
+        "elastic job (--nodes MIN:MAX) give MAX x nproc: each rank then runs the shards "
+        "r, r+W, ... as gradient-accumulation micro-batches, so the global batch and the loss "
+        "curve do not change when the world shrinks or grows",
+    )
+    p.add_argument(
         "--ckpt-ab",
         type=int,
         default=0,
@@ -63,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", default=None, help="run dir for metrics.jsonl (default: $TRAINGUARD_RUN_DIR or .)"
     )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.ckpt_every < 0 or args.durable_every < 0:
-        p.error("--steps must be >= 1; --ckpt-every and --durable-every >= 0")
+    if args.steps < 1 or args.ckpt_every < 0 or args.durable_every < 0 or args.dp_ranks < 0:
+        p.error("--steps must be >= 1; --ckpt-every, --durable-every and --dp-ranks >= 0")
     return args
 
 
@@ -111,9 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DDP(model) if distributed else model
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank stream (dropout)
-    sampler = BatchSampler(
-        corpus, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed, rank=rank
-    )
+    shards = args.dp_ranks or world
+    if shards < world:
+        raise SystemExit(f"--dp-ranks {shards} is smaller than the world size {world}")
+    samplers = [
+        BatchSampler(
+            corpus, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed, rank=v
+        )
+        for v in range(rank, shards, world)
+    ]
+    sampler = samplers[0]
+    scale = world / shards  # DDP averages over the world; the loss is the mean over all shards
 
     train = TrainState(ddp, optim)
     per_rank = {"rng": torch.get_rng_state(), "data": sampler.state_dict()}
@@ -137,18 +155,24 @@ def main(argv: list[str] | None = None) -> int:
     ddp.train()
     step = start
     for step in range(start + 1, args.steps + 1):
-        x, y = sampler.batch(step)
-        loss = ddp(x, y)
         optim.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum, tokens = 0.0, 0
+        for i, shard in enumerate(samplers):  # one shard per rank unless the world shrank
+            x, y = shard.batch(step)
+            last_shard = i == len(samplers) - 1
+            with contextlib.nullcontext() if last_shard or not distributed else ddp.no_sync():
+                loss = ddp(x, y)
+                (loss * scale if scale != 1.0 else loss).backward()
+            loss_sum += loss.item()
+            tokens += x.numel()
         optim.step()
         # One small all-reduce: mean loss for the log, and whether any rank got SIGTERM.
-        flags = torch.tensor([loss.item(), float(stop["requested"])], dtype=torch.float64)
+        flags = torch.tensor([loss_sum, float(stop["requested"])], dtype=torch.float64)
         if distributed:
             dist.all_reduce(flags)
-        mean_loss = flags[0].item() / world
+        mean_loss = flags[0].item() / shards
         train.step = step
-        rt.step_end(step, loss=mean_loss, tokens=x.numel())
+        rt.step_end(step, loss=mean_loss, tokens=tokens)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": mean_loss, "time": time.time()}) + "\n")
             metrics.flush()

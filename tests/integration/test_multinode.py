@@ -238,3 +238,83 @@ def test_unauthenticated_clients_are_refused(job: Job) -> None:
     assert job.controller is not None and job.controller.poll() is None
     job.controller.send_signal(signal.SIGTERM)
     job.controller.wait(timeout=30)
+
+
+def _global_tokens(run_dir: Path) -> dict[int, int]:
+    """Tokens per step summed over ranks, from the newest generation that ran each step."""
+    import sqlite3
+
+    db = sqlite3.connect(run_dir / "job.sqlite")
+    try:
+        rows = db.execute(
+            "SELECT generation, step, SUM(tokens) FROM steps GROUP BY 1, 2"
+        ).fetchall()
+    finally:
+        db.close()
+    out: dict[int, tuple[int, int]] = {}
+    for gen, step, tokens in rows:
+        if step not in out or gen > out[step][0]:
+            out[step] = (gen, tokens)
+    return {step: tokens for step, (_, tokens) in out.items()}
+
+
+def test_elastic_shrinks_on_node_loss_and_grows_back(hosts: Hosts, tmp_path: Path) -> None:
+    steps = 100
+    args = [*TINY, "--steps", str(steps), "--ckpt-every", "1", "--durable-every", "5"]
+    elastic = [*args, "--dp-ranks", "3"]  # the global batch is 3 shards, whatever the world
+    ref_dir = tmp_path / "reference"
+    res = run_job(ref_dir, ["--nodes", "3"], elastic)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = losses(ref_dir)
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = Job(hosts, run_dir, nodes=3, standby=0)
+    job.ctl_args[1] = "2:3"  # --nodes MIN:MAX
+    try:
+        global ARGS
+        saved, ARGS = ARGS, elastic
+        try:
+            job.start_controller()
+        finally:
+            ARGS = saved
+        job.start_agents()
+        victim = job.host_of_rank(1)
+        wait_for(lambda: reached_step(run_dir, 15), 120, "step 15")
+        job.hosts.kill_all(victim)
+        _lose_memory(run_dir, f"h{victim}")
+        job.agents[victim].wait(timeout=30)
+        wait_for(
+            lambda: any(e["kind"] == "membership_changed" for e in read_events(run_dir)),
+            60,
+            "the world to shrink",
+        )
+        # the host comes back (a fresh agent): the job grows back at a checkpoint boundary
+        cmd = trainguard_cmd(
+            "agent", "--controller", job.addr, "--token-file", run_dir / "token",
+            "--node-id", f"h{victim}", "--advertise-addr", hosts.addrs[victim],
+            "--run-dir", run_dir,
+        )  # fmt: skip
+        job.agents[victim] = subprocess.Popen(
+            hosts.cmd(victim, cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT
+        )
+        job.wait()
+    finally:
+        job.close()
+        hosts.down()
+        _lose_memory(run_dir, "")
+    evs = read_events(run_dir)
+    changes = [(e["from_nodes"], e["to_nodes"]) for e in evs if e["kind"] == "membership_changed"]
+    assert changes == [(3, 2), (2, 3)], changes
+    assert {e["generation"] for e in evs if e["kind"] == "generation_started"} == {0, 1, 2}
+    grow = next(e for e in evs if e["kind"] == "generation_started" and e["generation"] == 2)
+    # the growth restarted from the step the workers saved when asked to stop: nothing lost
+    last_before = max(e["step"] for e in evs if e["kind"] == "ckpt_durable")
+    assert grow["restore_step"] is not None and grow["restore_step"] <= last_before
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, steps + 1))
+    tokens = _global_tokens(run_dir)
+    assert set(tokens.values()) == {3 * 4 * 32}, tokens  # 3 shards x batch 4 x block 32
+    # no jump beyond the fault-free run's own step-to-step variation
+    variation = max(abs(ref[s] - ref[s - 1]) for s in range(2, steps + 1))
+    assert max(abs(got[s] - ref[s]) for s in ref) <= variation

@@ -337,3 +337,39 @@ def test_restore_point_counts_replicas_on_healthy_nodes_only() -> None:
     off = cfg(nodes=2, replicas=False)
     s.pools["peer"] = Pool.RUNNING
     assert restore_point(s, obs, off, [(10, 0)])[0] == (10, 0)
+
+
+def test_elastic_shrinks_without_standby_and_grows_back_without_spending_the_budget() -> None:
+    sim = Sim(cfg(nodes=3, min_nodes=2), 3)
+    sim.tick()
+    sim.run_generation(step=5)
+    assert sim.s.phase == Phase.RUNNING and len(sim.s.assignment) == 3
+    sim.ckpt = [(4, 0)]
+    for _ in range(60):  # node1 (node rank 1) goes silent: lost, and no standby
+        sim.tick(seen=("node0", "node2"))
+        if sim.s.phase == Phase.STOPPING:
+            sim.ack_stop()
+    s = sim.s
+    assert s.phase == Phase.RENDEZVOUS and s.generation == 1, s.phase
+    assert s.assignment == {"node0": 0, "node2": 1}  # dense node ranks, old order kept
+    assert desired_for(s, "node2", sim.obs, sim.c)["world_size"] == 2
+    assert s.restore_step == 4  # the world changed: every rank reads the durable tier
+    assert s.restarts == 1
+    shrink = [d for k, d in sim.events if k == "membership_changed"]
+    assert shrink and shrink[0]["to_nodes"] == 2 and shrink[0]["left"] == ["node1"]
+
+    sim.obs["node1"].incarnation = "rebooted"  # the lost node comes back, a fresh agent
+    sim.obs["node1"].memory = {}
+    sim.run_generation(step=9)
+    assert s is not sim.s and sim.s.pools["node1"] == Pool.STANDBY
+    for _ in range(5):
+        sim.tick()
+        if sim.s.phase == Phase.STOPPING:
+            assert desired_for(sim.s, "node0", sim.obs, sim.c)["grace_s"] == sim.c.stop_grace_s
+            sim.ckpt = [(4, 0), (9, 1)]  # the workers saved at SIGTERM
+            sim.ack_stop()
+    s = sim.s
+    assert s.phase == Phase.RENDEZVOUS and s.generation == 2
+    assert s.assignment == {"node0": 0, "node2": 1, "node1": 2}
+    assert s.restore_step == 9 and s.restarts == 1  # growth is not a restart
+    assert desired_for(s, "node1", sim.obs, sim.c)["world_size"] == 3

@@ -425,11 +425,20 @@ class Checkpointer:
             t0 = time.time()
             self._rt.event("ckpt_load_start", step=step)
         flat = self._with_rank_key(state, rank)
+        path = storage.step_dir(self.root, step)
+        mine = f"{PER_RANK_KEY}.{rank}"
+        if mine in flat:
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            if not any(k == mine or k.startswith(mine + ".") for k in saved):
+                # The world grew: no rank had this number when the step was saved. The
+                # replicated state is all there; this rank's own state starts fresh.
+                del flat[mine]
+                self._rt.event("ckpt_per_rank_absent", step=step, rank=rank)
         # no_dist: each rank reads its own keys; a collective here would deadlock against
         # ranks that restore from memory instead.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(flat, checkpoint_id=str(storage.step_dir(self.root, step)), no_dist=True)
+            dcp.load(flat, checkpoint_id=str(path), no_dist=True)
         for key in state:
             if key != PER_RANK_KEY:
                 state[key] = flat[key]

@@ -29,27 +29,6 @@ from trainguard.controller.store import Store
 log = logging.getLogger("trainguard.controller")
 
 
-def parse_nodes(text: str | None) -> int | None:
-    """``N`` or ``MIN:MAX``. Raises ValueError naming the fix."""
-    if text is None:
-        return None
-    lo, _, hi = text.partition(":")
-    try:
-        nmin, nmax = int(lo), int(hi or lo)
-    except ValueError:
-        raise ValueError(
-            f"--nodes {text!r}: give a node count N or MIN:MAX, e.g. 2 or 2:3"
-        ) from None
-    if nmin < 1 or nmin > nmax:
-        raise ValueError(f"--nodes {text}: need 1 <= MIN <= MAX")
-    if nmin != nmax:
-        raise ValueError(
-            f"--nodes {text}: an elastic world (MIN < MAX) is not supported yet; "
-            f"pass --nodes {nmax} and --standby K for replacement nodes"
-        )
-    return nmax
-
-
 def parse_bind(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -101,7 +80,6 @@ async def _serve(
 
 
 def controller_command(args: argparse.Namespace) -> int:
-    args.nodes = parse_nodes(args.nodes)
     host, port = parse_bind(args.bind)
     cfg = build_config(args)
     run_dir = Path(cfg.run_dir)

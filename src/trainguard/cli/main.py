@@ -23,7 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a training job on this machine with simulated nodes")
-    r.add_argument("--nodes", type=int, default=None, help="nodes the job runs on (default 1)")
+    r.add_argument(
+        "--nodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="nodes the job runs on (default 1); MIN:MAX = elastic",
+    )
     r.add_argument(
         "--standby",
         type=int,
@@ -58,7 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
     k = sub.add_parser("controller", help="run a job's controller for agents on other hosts")
-    k.add_argument("--nodes", default=None, metavar="N", help="nodes the job runs on (default 1)")
+    k.add_argument(
+        "--nodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="nodes the job runs on (default 1); MIN:MAX = elastic",
+    )
     k.add_argument("--standby", type=int, default=None, help="standby nodes (default 0)")
     k.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default 1)")
     k.add_argument(

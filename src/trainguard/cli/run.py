@@ -35,6 +35,24 @@ log = logging.getLogger("trainguard.run")
 AGENT_EXIT_DEADLINE_S = 30.0
 
 
+def parse_nodes(text: str | None) -> tuple[int | None, int | None]:
+    """``N`` or ``MIN:MAX`` → (min_nodes or None, nodes). Raises ValueError naming the fix."""
+    if text is None:
+        return None, None
+    lo, sep, hi = str(text).partition(":")
+    try:
+        nmin, nmax = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(
+            f"--nodes {text!r}: give a node count N or MIN:MAX, e.g. 2 or 2:3"
+        ) from None
+    if not sep:
+        return None, nmax  # JobConfig checks the count itself
+    if nmin < 1 or nmin > nmax:
+        raise ValueError(f"--nodes {text}: need 1 <= MIN <= MAX")
+    return nmin, nmax
+
+
 def build_config(args: argparse.Namespace) -> JobConfig:
     """Validate flags and the config file into a JobConfig. Raises ValueError naming the fix."""
     script = Path(args.script)
@@ -62,8 +80,10 @@ def build_config(args: argparse.Namespace) -> JobConfig:
             raise ValueError(
                 f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
+    min_nodes, nodes = parse_nodes(args.nodes)
     flags = {
-        "nodes": args.nodes,
+        "nodes": nodes,
+        "min_nodes": min_nodes,
         "standby": args.standby,
         "nproc_per_node": args.nproc_per_node,
         "max_restarts": args.max_restarts,

@@ -70,7 +70,10 @@ class JobConfig:
     script: str  # path of the training script (Python)
     script_args: tuple[str, ...] = ()  # its arguments
     run_dir: str  # where store, logs, checkpoints and metrics go
-    nodes: int = 1  # nodes the job runs on
+    nodes: int = 1  # nodes the job runs on (the most, for an elastic job)
+    # Elastic (``--nodes MIN:MAX``): with no standby left, go on with fewer nodes down to this
+    # many; grow back when nodes join. None = not elastic (= nodes).
+    min_nodes: int | None = None
     standby: int = 0  # extra healthy nodes kept ready to replace a lost one
     nproc_per_node: int = 1  # workers (ranks) per node
     max_restarts: int = 3  # restarts after faults before the job FAILs
@@ -104,6 +107,10 @@ class JobConfig:
                 raise ValueError(msg)
 
         need(self.nodes >= 1, f"--nodes {self.nodes}: a job needs at least 1 node")
+        need(
+            self.min_nodes is None or 1 <= self.min_nodes <= self.nodes,
+            f"--nodes {self.min_nodes}:{self.nodes}: need 1 <= MIN <= MAX",
+        )
         need(self.standby >= 0, f"--standby {self.standby}: must be >= 0")
         need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
         need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
@@ -142,7 +149,12 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
+        """The full world (MAX nodes); an elastic job may run with fewer for a while."""
         return self.nodes * self.nproc_per_node
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nodes
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -49,6 +49,8 @@ class JobState:
     restore_gen: int | None = (
         None  # generation that wrote restore_step (the same copy on every rank)
     )
+    growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
+    last_world: int = 0  # ranks of the newest generation (a change: restore from durable)
     # rank → replica server to fetch the restore point from (ranks on replaced nodes)
     restore_sources: dict[str, str] = dataclasses.field(default_factory=dict)
     restarts: int = 0
@@ -332,15 +334,20 @@ def decide(
             events.append(("fault", fault.to_json()))
             _goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
             _goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
-        elif len(workers) == cfg.world_size and all(w.state == "succeeded" for w in workers):
-            s.reason = f"all {cfg.world_size} ranks finished"
+        elif len(workers) == world_of(s, cfg) and all(w.state == "succeeded" for w in workers):
+            s.reason = f"all {world_of(s, cfg)} ranks finished"
             _goto(s, Phase.SUCCEEDED, now, events, s.reason)
         elif (
             s.phase == Phase.RENDEZVOUS
-            and len(workers) == cfg.world_size
+            and len(workers) == world_of(s, cfg)
             and all(w.state in ("running", "succeeded") for w in workers)
         ):
-            _goto(s, Phase.RUNNING, now, events, f"all {cfg.world_size} ranks running")
+            _goto(s, Phase.RUNNING, now, events, f"all {world_of(s, cfg)} ranks running")
+        elif s.phase == Phase.RUNNING and _can_grow(s, obs, now, cfg):
+            # Elastic: nodes are back. Stop at a checkpoint boundary (workers get SIGTERM and
+            # save a durable step) and restart on the larger world; not a fault, no budget.
+            s.growing = True
+            _goto(s, Phase.STOPPING, now, events, "grow: standby node(s) available")
 
     elif s.phase == Phase.STOPPING:
         pending = [
@@ -360,7 +367,9 @@ def decide(
                 s.recovery.t_cleaned = max([o.cleaned_at or now for o in acks], default=now)
             _goto(s, Phase.CLEANING, now, events, "every live node stopped its workers")
 
-    if s.phase == Phase.CLEANING:
+    if s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
+        _grow_and_restart(s, obs, now, cfg, events, durable)
+    elif s.phase == Phase.CLEANING:
         if s.recovery is None or s.stop_requested:  # a stop requested mid-recovery ends the job
             if s.recovery is not None:
                 s.recoveries.append(s.recovery)
@@ -393,7 +402,12 @@ def _blame_lost_node(
 
 
 def restore_point(
-    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig, durable: list[tuple[int, int]]
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    durable: list[tuple[int, int]],
+    *,
+    memory: bool = True,
 ) -> tuple[tuple[int, int] | None, dict[str, int]]:
     """The newest (step, generation) that every rank of the assignment can restore, and how
     many ranks read it from each tier. A point is restorable when it is durable, or when
@@ -405,11 +419,11 @@ def restore_point(
         mem = obs[node].memory if node in obs else {}
         for i in range(cfg.nproc_per_node):
             rank = node_rank * cfg.nproc_per_node + i
-            local[rank] = {tuple(p) for p in mem.get(rank, [])}  # type: ignore[misc]
+            local[rank] = {tuple(p) for p in mem.get(rank, [])} if memory else set()  # type: ignore[misc]
             ranks[rank] = local[rank] | {
                 tuple(p)  # type: ignore[misc]
                 for n, o in obs.items()
-                if n != node and o.replica_addr and cfg.replicas and _healthy(s, n)
+                if memory and n != node and o.replica_addr and cfg.replicas and _healthy(s, n)
                 for p in o.replicas.get(rank, [])
             }
     in_memory = set.intersection(*ranks.values()) if ranks else set()
@@ -535,6 +549,23 @@ def _replace_and_restart(
     spares += [
         n for n in lost if s.pools.get(n) == Pool.STANDBY and n in obs and _alive(obs[n], now, cfg)
     ]
+    shrink = len(lost) - len(spares)
+    if shrink > 0 and cfg.elastic and len(s.assignment) - shrink >= (cfg.min_nodes or cfg.nodes):
+        gone = lost[len(spares) :]
+        lost = lost[: len(spares)]
+        for n in gone:
+            s.assignment.pop(n)
+        events.append(
+            (
+                "membership_changed",
+                {
+                    "from_nodes": len(s.assignment) + len(gone),
+                    "to_nodes": len(s.assignment),
+                    "left": gone,
+                    "reason": f"no standby for {', '.join(gone)}; elastic down to {cfg.min_nodes}",
+                },
+            )
+        )
     if len(spares) < len(lost):
         if s.phase != Phase.WAITING_FOR_NODES:
             _goto(
@@ -562,13 +593,60 @@ def _replace_and_restart(
                 },
             )
         )
-    s.assignment = dict(sorted(s.assignment.items(), key=lambda kv: kv[1]))
+    # node ranks stay dense (0..n-1) in their old order when the world shrank
+    order = sorted(s.assignment, key=lambda n: s.assignment[n])
+    s.assignment = {n: i for i, n in enumerate(order)}
     if s.recovery is not None:
         s.recovery.t_replaced = now
     s.restarts += 1
     _start_generation(
         s, obs, cfg, now, events, durable, f"restart {s.restarts} of {cfg.max_restarts}"
     )
+
+
+def world_of(s: JobState, cfg: JobConfig) -> int:
+    """Ranks of the current generation (fewer than ``cfg.world_size`` while shrunk)."""
+    return (len(s.assignment) or cfg.nodes) * cfg.nproc_per_node
+
+
+def _can_grow(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> bool:
+    """Elastic and shrunk, a standby is healthy, and this generation has made progress
+    (so a node that flaps cannot keep the job restarting)."""
+    return (
+        cfg.elastic
+        and len(s.assignment) < cfg.nodes
+        and bool(_healthy_standby(s, obs, now, cfg))
+        and s.max_step.get(s.generation, 0) > (s.restore_step or 0)
+    )
+
+
+def _grow_and_restart(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> None:
+    s.growing = False
+    joining = _healthy_standby(s, obs, now, cfg)[: cfg.nodes - len(s.assignment)]
+    before = len(s.assignment)
+    for n in joining:
+        s.assignment[n] = len(s.assignment)
+        s.pools[n] = Pool.RUNNING
+        events.append(
+            (
+                "pool_changed",
+                {"node": n, "from": "standby", "to": "running", "reason": "elastic growth"},
+            )
+        )
+    events.append(
+        (
+            "membership_changed",
+            {"from_nodes": before, "to_nodes": len(s.assignment), "joined": joining},
+        )
+    )
+    _start_generation(s, obs, cfg, now, events, durable, f"grow to {len(s.assignment)} nodes")
 
 
 def _start_generation(
@@ -580,13 +658,17 @@ def _start_generation(
     durable: list[tuple[int, int]],
     why: str,
 ) -> None:
-    point, tiers = restore_point(s, obs, cfg, durable)
+    world = world_of(s, cfg)
+    # Memory snapshots are per rank of the old world: after a change, every rank reads DCP.
+    same_world = s.last_world in (0, world)
+    point, tiers = restore_point(s, obs, cfg, durable, memory=same_world)
+    s.last_world = world
     ckpt_step = point[0] if point else None
     s.generation += 1
     s.master_port = None
     s.restore_step = ckpt_step
     s.restore_gen = point[1] if point else None
-    s.restore_sources = replica_sources(s, obs, cfg)
+    s.restore_sources = replica_sources(s, obs, cfg) if same_world else {}
     for n in s.assignment:
         s.pools[n] = Pool.RUNNING
     s.gen_incarnations = {n: s.incarnations.get(n, "") for n in s.assignment}
@@ -632,8 +714,9 @@ def desired_for(
     if rank is None or _rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
-        grace = cfg.fault_stop_grace_s if s.recovery is not None else cfg.stop_grace_s
-        hang = s.recovery is not None and s.recovery.fault.cause == "hang"
+        faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
+        grace = cfg.fault_stop_grace_s if faulted else cfg.stop_grace_s
+        hang = faulted and s.recovery is not None and s.recovery.fault.cause == "hang"
         return {"action": "stop", "generation": s.generation, "grace_s": grace, "dump_stacks": hang}
     if s.phase not in _ACTIVE_GEN:
         return idle
@@ -645,7 +728,7 @@ def desired_for(
         "node_rank": rank,
         "nnodes": len(s.assignment),
         "nproc_per_node": cfg.nproc_per_node,
-        "world_size": cfg.world_size,
+        "world_size": world_of(s, cfg),
         "master_addr": obs[master].addr if master in obs else None,
         "master_port": s.master_port,
         "host_store": rank == 0,

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from trainguard.checkpoint import storage
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
-from trainguard.controller.decide import JobState, decide, desired_for
+from trainguard.controller.decide import JobState, decide, desired_for, world_of
 from trainguard.controller.store import Store
 
 log = logging.getLogger("trainguard.controller")
@@ -242,7 +242,7 @@ class Controller:
             return
         marks = self._marks.setdefault(f"{gen}:{kind}", {})
         marks[rank] = ts
-        if len(marks) == self.cfg.world_size:
+        if len(marks) == world_of(self.state, self.cfg):
             if kind == "ckpt_load_start":
                 rec.t_rendezvous = max(marks.values())
             else:
@@ -256,7 +256,7 @@ class Controller:
         marks.setdefault(rank, float(first["t_end"]))
         starts = self._marks.setdefault(f"{gen}:first_step_start", {})
         starts.setdefault(rank, float(first["t_end"]) - float(first["dur"]))
-        if len(marks) < self.cfg.world_size:
+        if len(marks) < world_of(self.state, self.cfg):
             return
         self._first_step_gen.add(gen)
         self.store.record(
