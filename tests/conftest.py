@@ -48,6 +48,7 @@ node_timeout_s = 3.0
 reboot_delay_s = 1.0
 fault_stop_grace_s = 0.1
 stop_grace_s = 10.0
+recheck_s = 1.0
 """
 
 

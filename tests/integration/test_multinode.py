@@ -182,13 +182,26 @@ def test_cut_link_is_replaced_by_the_standby(job: Job, reference: dict[int, floa
     victim = job.host_of_rank(1)
     wait_for(lambda: reached_step(job.run_dir, 15), 120, "step 15")
     job.hosts.cut(victim)
-    job.wait(unreachable=victim)
+    wait_for(
+        lambda: any(e["kind"] == "generation_started" and e["generation"] == 1
+                    for e in read_events(job.run_dir)),
+        60,
+        "the restart on the standby",
+    )  # fmt: skip
+    job.hosts.relink(victim)  # repaired: it is re-checked and goes back to standby
+    job.wait()
     assert losses(job.run_dir) == reference
     assert _fault(read_events(job.run_dir)) == ("node_lost", f"h{victim}")
     # the cut host fenced itself: it stopped its workers once the controller was out of reach
     log = (job.run_dir / f"agent-h{victim}.out").read_text()
     assert "stopping our workers (fencing)" in log
     assert log.count("(fencing)") == 1, "a fenced agent must not restart its workers"
+    back = [
+        e
+        for e in read_events(job.run_dir)
+        if e["kind"] == "pool_changed" and e["node"] == f"h{victim}" and e["to"] == "standby"
+    ]
+    assert back and "reachable again" in back[0]["reason"], back
 
 
 def test_controller_sigkill_and_restart_keeps_the_workers(

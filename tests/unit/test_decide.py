@@ -373,3 +373,37 @@ def test_elastic_shrinks_without_standby_and_grows_back_without_spending_the_bud
     assert s.assignment == {"node0": 0, "node2": 1, "node1": 2}
     assert s.restore_step == 9 and s.restarts == 1  # growth is not a restart
     assert desired_for(s, "node1", sim.obs, sim.c)["world_size"] == 3
+
+
+def test_a_faulty_node_is_rechecked_with_backoff_and_retired_after_repeated_losses() -> None:
+    c = cfg(nodes=1, standby=1, recheck_s=10.0, retire_after=2)
+    sim = Sim(c, 2)
+    sim.tick()
+    sim.run_generation()
+    for _ in range(60):  # node0 silent: lost, node1 takes over
+        sim.tick(seen=("node1",))
+        if sim.s.phase == Phase.STOPPING:
+            sim.ack_stop()
+    assert sim.s.pools["node0"] == Pool.FAULTY and sim.s.assignment == {"node1": 0}
+    sim.obs["node0"].health_ok, sim.obs["node0"].health_problems = False, ("disk: full",)
+    sim.tick(dt=11.0)  # reachable again (same agent) but its disk is full: not readmitted
+    assert sim.s.pools["node0"] == Pool.FAULTY
+    failed = [d for k, d in sim.events if k == "recheck_failed"]
+    assert failed and failed[-1]["problems"] == ["disk: full"] and failed[-1]["next_in_s"] == 20.0
+    sim.obs["node0"].health_ok = True
+    sim.tick(dt=10.0)
+    assert sim.s.pools["node0"] == Pool.FAULTY  # not due yet (back-off)
+    sim.tick(dt=11.0)
+    assert sim.s.pools["node0"] == Pool.STANDBY
+    sim.s = _lose_again(sim.s, "node0")
+    assert sim.s.pools["node0"] == Pool.RETIRED
+
+
+def _lose_again(s: JobState, node: str) -> JobState:
+    """Mark ``node`` faulty once more (its second loss): retired, since retire_after = 2."""
+    from trainguard.controller.decide import mark_faulty
+
+    events: list[tuple[str, dict[str, object]]] = []
+    mark_faulty(s, node, 0.0, cfg(nodes=1, standby=1, recheck_s=10.0, retire_after=2), events, "x")
+    assert events[-1][1]["to"] == "retired" and "lost 2 times" in str(events[-1][1]["reason"])
+    return s

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +60,32 @@ class AgentConfig:
     run_dir: Path  # job run directory (logs, errors, checkpoints)
     exit_with_parent: bool = False  # embedded mode: stop when the launcher dies
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
+
+
+# Host checks an agent reports with every heartbeat (the controller readmits a faulty node to
+# standby only when they pass). Floors, not ratios: below these a restart would fail anyway
+# (a worker + spare need ~1 GiB here; a durable step of the example ~40 MiB, a 7B model's
+# shard several GiB — raise them for big models). The full pre-flight is `trainguard check`.
+MIN_FREE_MEMORY = 1 << 30
+MIN_FREE_DISK = 1 << 30
+MIN_FREE_SHM = 256 << 20
+
+
+def host_health(run_dir: Path, shm_dir: Path) -> tuple[bool, list[str]]:
+    """(ok, problems): available memory, free disk under the run dir, free /dev/shm."""
+    problems = []
+    mem = psutil.virtual_memory().available
+    if mem < MIN_FREE_MEMORY:
+        problems.append(f"memory: {mem >> 20} MiB available < {MIN_FREE_MEMORY >> 20} MiB")
+    for what, path, floor in (("disk", run_dir, MIN_FREE_DISK), ("shm", shm_dir, MIN_FREE_SHM)):
+        try:
+            free = shutil.disk_usage(path).free
+        except OSError as e:
+            problems.append(f"{what}: {path}: {e.strerror}")
+            continue
+        if free < floor:
+            problems.append(f"{what}: {free >> 20} MiB free at {path} < {floor >> 20} MiB")
+    return not problems, problems
 
 
 def interface_of(addr: str) -> str | None:
@@ -299,6 +326,13 @@ class Agent:
         if self._ckpt_cfg is not None:
             for path in self._slots(self._ckpt_cfg["shm_dir"]):
                 path.unlink(missing_ok=True)
+
+    def _health(self) -> dict[str, Any]:
+        shm = (
+            Path(self._ckpt_cfg.get("shm_dir", "/dev/shm")) if self._ckpt_cfg else Path("/dev/shm")
+        )
+        ok, problems = host_health(self.cfg.run_dir, shm)
+        return {"ok": ok, "problems": problems}
 
     def _fence(self) -> None:
         """Cut off from the controller for longer than it waits before declaring this node lost:
@@ -598,6 +632,7 @@ class Agent:
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
             "memory": self._memory,
+            "health": self._health(),
             "replicas": self._replicas,
             "replica_addr": self._replica_addr,
             "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],

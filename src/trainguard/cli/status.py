@@ -106,4 +106,6 @@ def status_command(args: argparse.Namespace) -> int:
                 f"  {node:10s} {n['addr']:16s} {n['pool'] or '-':8s} {rank:>4s} "
                 f"{n['last_seen_s']:5.1f}s {gen:>4s}  {workers or '-'}"
             )
+            if n.get("health", "ok") != "ok":
+                print(f"  {'':10s} host checks: {'; '.join(n['health'])}")
     return 0

@@ -99,6 +99,11 @@ class JobConfig:
     keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
     checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints
     reboot_delay_s: float = 2.0  # embedded mode: a killed simulated node returns after this
+    # A faulty node that is still (or again) reachable is re-checked after recheck_s, then
+    # after twice as long each time it fails (at most 600 s), and returns to standby when its
+    # host checks pass. A node lost retire_after times is retired for good.
+    recheck_s: float = 30.0
+    retire_after: int = 3
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 
     def __post_init__(self) -> None:
@@ -184,7 +189,9 @@ class NodeObs:
     last_seen: float  # controller wall clock of the last report
     generation: int | None = None  # generation its workers belong to
     workers: dict[int, WorkerObs] = dataclasses.field(default_factory=dict)
-    hang: bool = False  # the agent's hang detector fired for `generation`
+    hang: bool = False
+    health_ok: bool = True  # the agent's host checks (memory, disk, /dev/shm) pass
+    health_problems: tuple[str, ...] = ()  # the agent's hang detector fired for `generation`
     stopped_generation: int = -1  # newest generation fully stopped and cleaned here
     stopped_at: float | None = None
     cleaned_at: float | None = None

@@ -50,6 +50,8 @@ class JobState:
         None  # generation that wrote restore_step (the same copy on every rank)
     )
     growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
+    node_faults: dict[str, int] = dataclasses.field(default_factory=dict)  # times marked faulty
+    recheck_at: dict[str, float] = dataclasses.field(default_factory=dict)  # faulty → next check
     last_world: int = 0  # ranks of the newest generation (a change: restore from durable)
     # rank → replica server to fetch the restore point from (ranks on replaced nodes)
     restore_sources: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -115,35 +117,75 @@ def _update_pools(
             s.pools[node_id] = Pool.STANDBY
             s.join_order.append(node_id)
             events.append(("node_joined", {"node": node_id, "addr": o.addr, "pool": "standby"}))
-        elif pool == Pool.FAULTY and alive and s.faulty_incarnations.get(node_id) != o.incarnation:
-            s.pools[node_id] = Pool.STANDBY
-            events.append(
-                (
-                    "pool_changed",
-                    {
-                        "node": node_id,
-                        "from": "faulty",
-                        "to": "standby",
-                        "reason": "node returned with a fresh agent",
-                    },
+        elif pool == Pool.FAULTY and alive:
+            fresh = s.faulty_incarnations.get(node_id) != o.incarnation
+            due = now >= s.recheck_at.get(node_id, now)
+            if (fresh or due) and o.health_ok:
+                s.pools[node_id] = Pool.STANDBY
+                s.recheck_at.pop(node_id, None)
+                why = "node returned with a fresh agent" if fresh else "reachable again"
+                events.append(
+                    (
+                        "pool_changed",
+                        {
+                            "node": node_id,
+                            "from": "faulty",
+                            "to": "standby",
+                            "reason": f"{why}; host checks pass",
+                        },
+                    )
                 )
-            )
+            elif due:
+                k = s.node_faults.get(node_id, 1)
+                delay = _recheck_delay(cfg, k) * 2
+                s.recheck_at[node_id] = now + delay
+                events.append(
+                    (
+                        "recheck_failed",
+                        {
+                            "node": node_id,
+                            "problems": list(o.health_problems),
+                            "next_in_s": delay,
+                        },
+                    )
+                )
         elif pool == Pool.STANDBY and not alive:
-            s.pools[node_id] = Pool.FAULTY
-            s.faulty_incarnations[node_id] = o.incarnation
-            events.append(
-                (
-                    "pool_changed",
-                    {
-                        "node": node_id,
-                        "from": "standby",
-                        "to": "faulty",
-                        "reason": f"no heartbeat for {now - o.last_seen:.1f}s",
-                    },
-                )
-            )
+            mark_faulty(s, node_id, now, cfg, events, f"no heartbeat for {now - o.last_seen:.1f}s")
         if alive:
             s.incarnations[node_id] = o.incarnation
+
+
+def _recheck_delay(cfg: JobConfig, faults: int) -> float:
+    return min(600.0, cfg.recheck_s * 2 ** max(0, faults - 1))
+
+
+def mark_faulty(
+    s: JobState, node: str, now: float, cfg: JobConfig, events: list[Event], reason: str
+) -> None:
+    """Move a node to the faulty pool (re-checked later), or retire it after
+    ``cfg.retire_after`` faults."""
+    before = s.pools.get(node)
+    k = s.node_faults[node] = s.node_faults.get(node, 0) + 1
+    s.faulty_incarnations[node] = s.gen_incarnations.get(node) or s.incarnations.get(node, "")
+    if k >= cfg.retire_after:
+        s.pools[node] = Pool.RETIRED
+        s.recheck_at.pop(node, None)
+        why = f"retired: lost {k} times (last: {reason})"
+    else:
+        s.pools[node] = Pool.FAULTY
+        s.recheck_at[node] = now + _recheck_delay(cfg, k)
+        why = f"{reason}; re-check in {_recheck_delay(cfg, k):.0f}s"
+    events.append(
+        (
+            "pool_changed",
+            {
+                "node": node,
+                "from": before.value if before else None,
+                "to": s.pools[node].value,
+                "reason": why,
+            },
+        )
+    )
 
 
 def _last_line(text: str) -> str:
@@ -526,24 +568,13 @@ def _replace_and_restart(
     durable: list[tuple[int, int]],
 ) -> None:
     lost = sorted(
-        set(_lost(s, obs, now, cfg)) | {n for n in s.assignment if s.pools.get(n) == Pool.FAULTY},
+        set(_lost(s, obs, now, cfg))
+        | {n for n in s.assignment if s.pools.get(n) in (Pool.FAULTY, Pool.RETIRED)},
         key=lambda n: s.assignment[n],
     )
     for n in lost:
-        if s.pools.get(n) not in (Pool.FAULTY, Pool.STANDBY):
-            s.pools[n] = Pool.FAULTY
-            s.faulty_incarnations[n] = s.gen_incarnations.get(n, "")
-            events.append(
-                (
-                    "pool_changed",
-                    {
-                        "node": n,
-                        "from": "running",
-                        "to": "faulty",
-                        "reason": "lost during generation",
-                    },
-                )
-            )
+        if s.pools.get(n) not in (Pool.FAULTY, Pool.STANDBY, Pool.RETIRED):
+            mark_faulty(s, n, now, cfg, events, "lost during generation")
     # Prefer standby nodes; a lost node that came back (fresh agent) is the last resort.
     spares = [n for n in _healthy_standby(s, obs, now, cfg) if n not in lost]
     spares += [

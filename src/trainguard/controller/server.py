@@ -191,6 +191,7 @@ class Controller:
                 "last_seen_s": round(now - o.last_seen, 3),
                 "generation": o.generation,
                 "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
+                "health": list(o.health_problems) or "ok",
             }
             for n, o in sorted(self.obs.items())
         }
@@ -221,6 +222,8 @@ class Controller:
                 int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()
             },
             replica_addr=body.get("replica_addr"),
+            health_ok=bool((body.get("health") or {}).get("ok", True)),
+            health_problems=tuple((body.get("health") or {}).get("problems", [])),
             store=tuple(store) if store else None,  # type: ignore[arg-type]
         )
         for ev in body.get("events", []):

@@ -72,6 +72,10 @@ class Hosts:
         """Take host ``i``'s link down (its processes live on, unreachable)."""
         _ip("-n", self.names[i], "link", "set", "eth0", "down")
 
+    def relink(self, i: int) -> None:
+        """Bring host ``i``'s link back up."""
+        _ip("-n", self.names[i], "link", "set", "eth0", "up")
+
     def down(self) -> None:
         for i, ns in enumerate(self.names):
             for _ in range(50):
