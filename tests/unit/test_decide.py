@@ -407,3 +407,23 @@ def _lose_again(s: JobState, node: str) -> JobState:
     mark_faulty(s, node, 0.0, cfg(nodes=1, standby=1, recheck_s=10.0, retire_after=2), events, "x")
     assert events[-1][1]["to"] == "retired" and "lost 2 times" in str(events[-1][1]["reason"])
     return s
+
+
+def test_replica_peers_form_a_ring_of_the_configured_size() -> None:
+    from trainguard.controller.decide import replica_peers
+
+    def ob(n: str) -> NodeObs:
+        return NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0, replica_addr=f"{n}:1")
+
+    obs = {n: ob(n) for n in ("a", "b", "c", "s")}
+    s = JobState(
+        assignment={"a": 0, "b": 1, "c": 2},
+        pools={"a": Pool.RUNNING, "b": Pool.RUNNING, "c": Pool.RUNNING, "s": Pool.STANDBY},
+    )
+    assert replica_peers(s, "c", obs, cfg(nodes=3)) == ["a:1"]
+    assert replica_peers(s, "b", obs, cfg(nodes=3, replica_copies=2)) == ["c:1", "a:1"]
+    assert replica_peers(s, "a", obs, cfg(nodes=3, replica_copies=5)) == ["b:1", "c:1"]
+    assert replica_peers(s, "s", obs, cfg(nodes=3)) == []  # standby nodes do not replicate
+    assert replica_peers(s, "a", obs, cfg(nodes=3, replicas=False)) == []
+    one = JobState(assignment={"a": 0}, pools={"a": Pool.RUNNING, "s": Pool.STANDBY})
+    assert replica_peers(one, "a", obs, cfg(nodes=1)) == ["s:1"]

@@ -148,7 +148,7 @@ class Agent:
         self._memory: dict[str, Any] = {}
         self._replicas: dict[str, Any] = {}  # source rank → [(step, gen)] held for peers
         self._replica_addr: str | None = None  # our ckptd's replica server
-        self._replica_peer: str | None = None  # where our ckptd replicates to (told to it)
+        self._replica_peers: list[str] | None = None  # where our ckptd replicates (told to it)
         # Spares carry the run dir so that every process of a job can be attributed to it.
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
         self.spares = wk.SparePool(spare_env, self._spare_log)
@@ -275,7 +275,7 @@ class Agent:
                 },
                 replica_bind=self.cfg.addr,
             )
-            self._replica_peer = None  # a new ckptd must be told its peer again
+            self._replica_peers = None  # a new ckptd must be told its peers again
         except ckptd_mod.CheckpointError as e:
             log.error("%s", e)  # workers fail on their first save and report it; retried next loop
 
@@ -298,11 +298,11 @@ class Agent:
         self._memory = st["memory"]
         self._replicas = st.get("replicas", {})
         self._replica_addr = st.get("replica_addr")
-        want = self._desired[1].get("replica_peer")
-        if want != self._replica_peer:
+        want = list(self._desired[1].get("replica_peers", []))
+        if want != self._replica_peers:
             try:
-                self._ckptd_client.call({"op": "set_peer", "addr": want}, timeout_s=2.0)
-                self._replica_peer = want
+                self._ckptd_client.call({"op": "set_peers", "addrs": want}, timeout_s=2.0)
+                self._replica_peers = want
             except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
                 log.warning("telling ckptd its replica peer failed: %s", e)
         with self._lock:

@@ -15,7 +15,7 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
   "ok": bool, "problem": str | None}``: re-checksums the rank's slot holding that snapshot, once
   per restarting generation (the agent asks as it launches the workers, so the check runs
   during the restart; the worker's ask then finds it done and copies without checksumming)
-- ``{"op": "set_peer", "addr": "host:port" | null}`` → replicate verified snapshots there
+- ``{"op": "set_peers", "addrs": ["host:port", …]}`` → replicate verified snapshots there
 - ``{"op": "fetch", "rank", "step", "generation", "source"}`` → pulls that rank's replica from
   the ckptd at ``source`` into this node's slot (verified), for a restore on a new node
 - ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "events": […]}`` (events drained)
@@ -213,9 +213,9 @@ class Ckptd:
                 if self.replicas
                 else {},
             }
-        if op == "set_peer":
+        if op == "set_peers":
             if self.replicator is not None:
-                self.replicator.set_peer(req.get("addr"))
+                self.replicator.set_peers([str(a) for a in req.get("addrs", [])])
             return {"ok": True}
         if op == "fetch":
             if self.token is None:

@@ -254,23 +254,23 @@ def pull(addr: str, token: str, dest: Path, rank: int, step: int, gen: int) -> N
 
 
 class Replicator:
-    """Sends each newly verified snapshot to the peer, newest per rank only, in the background
-    (the training step never waits for it)."""
+    """Sends each newly verified snapshot to the peers, newest per rank only, in the
+    background (the training step never waits for it)."""
 
     def __init__(self, token: str, emit: Callable[..., None]) -> None:
         self.token, self.emit = token, emit
-        self.peer: str | None = None
+        self.peers: list[str] = []
         self._cv = threading.Condition()
         self._latest: dict[int, tuple[Path, int, int, Any]] = {}
         threading.Thread(target=self._run, name="replicator", daemon=True).start()
 
-    def set_peer(self, addr: str | None) -> None:
+    def set_peers(self, addrs: list[str]) -> None:
         with self._cv:
-            self.peer = addr or None
+            self.peers = list(addrs)
 
     def offer(self, rank: int, slot: Path, step: int, gen: int, sums: Any) -> None:
         with self._cv:
-            if self.peer is None:
+            if not self.peers:
                 return
             self._latest[rank] = (slot, step, gen, sums)
             self._cv.notify_all()
@@ -282,11 +282,10 @@ class Replicator:
                     self._cv.wait()
                 rank = min(self._latest)
                 slot, step, gen, sums = self._latest.pop(rank)
-                peer = self.peer
-            if peer is None:
-                continue
-            try:
-                push(peer, self.token, slot, rank, step, gen, sums)
-            except (OSError, ConnectionError, CheckpointError) as e:
-                with contextlib.suppress(Exception):
-                    self.emit("replica_failed", rank=rank, step=step, peer=peer, reason=str(e))
+                peers = list(self.peers)
+            for peer in peers:
+                try:
+                    push(peer, self.token, slot, rank, step, gen, sums)
+                except (OSError, ConnectionError, CheckpointError) as e:
+                    with contextlib.suppress(Exception):
+                        self.emit("replica_failed", rank=rank, step=step, peer=peer, reason=str(e))

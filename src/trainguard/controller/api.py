@@ -94,7 +94,8 @@ class JobConfig:
     no_progress_generations: int = 3  # generations in a row without a new checkpoint → FAILED
     user_error_generations: int = 2  # generations in a row failing before step 1 → FAILED
     memory_tier: bool = True  # snapshots in node memory (ckptd); False = synchronous DCP to disk
-    replicas: bool = True  # each node's snapshots also kept in the next node's memory
+    replicas: bool = True  # each node's snapshots also kept in other nodes' memory
+    replica_copies: int = 1  # how many: the next N nodes by node rank (a ring)
     shm_dir: str = "/dev/shm"  # where snapshot slots live
     keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
     checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints
@@ -117,6 +118,7 @@ class JobConfig:
             f"--nodes {self.min_nodes}:{self.nodes}: need 1 <= MIN <= MAX",
         )
         need(self.standby >= 0, f"--standby {self.standby}: must be >= 0")
+        need(self.replica_copies >= 1, f"replica_copies={self.replica_copies}: must be >= 1")
         need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
         need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
         need(

@@ -508,20 +508,23 @@ def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dic
     return out
 
 
-def replica_peer(s: JobState, node_id: str, obs: dict[str, NodeObs]) -> str | None:
-    """Where ``node_id``'s ckptd replicates: the next node by node rank (a ring); a one-node
-    job replicates to a standby node if there is one."""
+def replica_peers(s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig) -> list[str]:
+    """Where ``node_id``'s ckptd replicates: the next ``cfg.replica_copies`` nodes by node
+    rank (a ring); a one-node job replicates to standby nodes."""
+    if not cfg.replicas:
+        return []
     ring = sorted(s.assignment, key=lambda n: s.assignment[n])
     if node_id not in ring:
-        return None
+        return []
     if len(ring) > 1:
-        peer = ring[(ring.index(node_id) + 1) % len(ring)]
+        i = ring.index(node_id)
+        peers = [
+            ring[(i + k) % len(ring)] for k in range(1, min(cfg.replica_copies, len(ring) - 1) + 1)
+        ]
     else:
         standby = sorted(n for n, p in s.pools.items() if p == Pool.STANDBY and n in obs)
-        if not standby:
-            return None
-        peer = standby[0]
-    return obs[peer].replica_addr if peer in obs else None
+        peers = standby[: cfg.replica_copies]
+    return [a for n in peers if n in obs and (a := obs[n].replica_addr)]
 
 
 def _apply_policy(
@@ -782,6 +785,6 @@ def desired_for(
         "first_step_timeout_s": cfg.first_step_timeout_s,
         "heartbeat_s": cfg.heartbeat_s,
         "node_timeout_s": cfg.node_timeout_s,
-        "replica_peer": replica_peer(s, node_id, obs) if cfg.replicas else None,
+        "replica_peers": replica_peers(s, node_id, obs, cfg),
         "replica_sources": s.restore_sources,
     }
