@@ -83,10 +83,28 @@ class TrainState(Stateful):
 
     def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model, self.optim, self.step = model, optim, 0
+        self.module = model.module if isinstance(model, DDP) else model
+        get_state_dict(model, optim)  # once: creates the optimizer state a restore fills in
+        self._names = [n for n, _ in self.module.named_parameters()]
 
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optim)
-        return {"model": msd, "optim": osd, "step": self.step}
+        """The dict DCP's ``get_state_dict`` builds (FQN-keyed model and optimizer state, the
+        live tensors), built directly: ``get_state_dict`` re-validates its options on every
+        call, ~5 ms a step for this model, most of the cost of a snapshot every step."""
+        osd = self.optim.state_dict()
+        ids = [i for g in osd["param_groups"] for i in g["params"]]
+        fqn = dict(zip(ids, self._names, strict=True))
+        optim = {
+            "state": {fqn[i]: st for i, st in osd["state"].items()},
+            "param_groups": [
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [fqn[i] for i in g["params"]],
+                }
+                for g in osd["param_groups"]
+            ],
+        }
+        return {"model": self.module.state_dict(), "optim": optim, "step": self.step}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_state_dict(
