@@ -130,6 +130,11 @@ def _parser() -> argparse.ArgumentParser:
         e = sub.add_parser(name, help=what)
         e.add_argument("--run-dir", type=Path, required=True)
         e.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "events":
+            e.add_argument(
+                "--kind", action="append", default=None, help="only this kind (repeatable)"
+            )
+            e.add_argument("--all", action="store_true", help="include routine checkpoint events")
     return p
 
 
@@ -178,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         from trainguard.observe import report
 
         if args.cmd == "events":
-            return report.print_events(args.run_dir, as_json=args.json)
+            return report.print_events(
+                args.run_dir, as_json=args.json, kinds=args.kind, everything=args.all
+            )
         return report.print_report(args.run_dir, as_json=args.json)
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError) as e:
         print(f"trainguard: error: {e}", file=sys.stderr)

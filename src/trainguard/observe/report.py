@@ -125,12 +125,27 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     return 0
 
 
-def print_events(run_dir: Path, *, as_json: bool) -> int:
+# Per-snapshot bookkeeping: hundreds per run; shown with --all or --kind.
+ROUTINE = frozenset({"ckpt_staged", "replica_stored", "ckpt_part_durable", "ckpt_durable"})
+
+
+def print_events(
+    run_dir: Path, *, as_json: bool, kinds: list[str] | None = None, everything: bool = False
+) -> int:
+    """Print a run's events in time order: ``kinds`` keeps only those kinds; without
+    ``everything`` the text listing counts the routine checkpoint events instead of listing
+    them (JSON lists every event)."""
     db = open_readonly(run_dir)
     try:
-        events = read_events(db)
+        events = sorted(read_events(db), key=lambda e: e["ts"])
     finally:
         db.close()
+    hidden = 0
+    if kinds:
+        events = [e for e in events if e["kind"] in kinds]
+    elif not everything and not as_json:
+        shown = [e for e in events if e["kind"] not in ROUTINE]
+        hidden, events = len(events) - len(shown), shown
     if as_json:
         for e in events:
             print(json.dumps(e, default=str))
@@ -152,4 +167,8 @@ def print_events(run_dir: Path, *, as_json: bool) -> int:
             escape(json.dumps(detail, default=str)[:100]),
         )
     Console(width=max(Console().width, 132)).print(table)
+    if hidden:
+        print(
+            f"{hidden} routine checkpoint events not shown ({', '.join(sorted(ROUTINE))}); --all shows them"
+        )
     return 0
