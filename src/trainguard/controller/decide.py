@@ -703,7 +703,19 @@ def _start_generation(
     s.restore_step = ckpt_step
     s.restore_gen = point[1] if point else None
     s.restore_sources = replica_sources(s, obs, cfg) if same_world else {}
-    for n in s.assignment:
+    for n, r in s.assignment.items():
+        if s.pools.get(n) != Pool.RUNNING:
+            events.append(
+                (
+                    "pool_changed",
+                    {
+                        "node": n,
+                        "from": s.pools[n].value if n in s.pools else None,
+                        "to": "running",
+                        "reason": f"node rank {r} of generation {s.generation}",
+                    },
+                )
+            )
         s.pools[n] = Pool.RUNNING
     s.gen_incarnations = {n: s.incarnations.get(n, "") for n in s.assignment}
     if s.recovery is not None:
