@@ -53,7 +53,6 @@ class Job:
         cfg = self.run_dir.parent / f"{self.run_dir.name}.toml"
         cfg.write_text(FAST_CONFIG)
         info = self.run_dir / "controller.json"
-        info.unlink(missing_ok=True)
         bind = f"{self.hosts.gateway}:{self.port}"
         cmd = trainguard_cmd(
             "controller", "--bind", bind, "--run-dir", self.run_dir, "--config", cfg,
@@ -62,7 +61,15 @@ class Job:
         self.controller = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
         )
-        wait_for(info.exists, 60, "the controller to listen")
+        pid = self.controller.pid
+
+        def listening() -> bool:  # controller.json names the new process once it listens
+            try:
+                return bool(json.loads(info.read_text())["pid"] == pid)
+            except (OSError, ValueError, KeyError):
+                return False
+
+        wait_for(listening, 60, "the controller to listen")
         self.addr = json.loads(info.read_text())["addr"]
         self.port = int(self.addr.rsplit(":", 1)[1])  # a restart binds the same port
 
@@ -213,13 +220,37 @@ def test_controller_sigkill_and_restart_keeps_the_workers(
     assert job.controller is not None
     job.controller.send_signal(signal.SIGKILL)
     job.controller.wait(timeout=10)
-    job.start_controller()  # the same command, the same run dir
+    job.port = 0  # the same command (--bind HOST:0): it listens on its old port again
+    job.start_controller()
     job.wait()
     assert losses(job.run_dir) == reference
     evs = read_events(job.run_dir)
     assert any(e["kind"] == "controller_restarted" for e in evs)
     assert _fault(evs) is None, "no fault, no worker restarted"
     assert {e["generation"] for e in evs if e["kind"] == "worker_started"} == {0}
+
+
+def test_controller_outage_longer_than_the_node_timeout(
+    job: Job, reference: dict[int, float]
+) -> None:
+    """Agents cut off for longer than node_timeout_s stop their workers (fencing); the
+    restarted controller sees it and restarts the job from the memory tier."""
+    job.start_controller()
+    job.start_agents()
+    wait_for(lambda: reached_step(job.run_dir, 10), 120, "step 10")
+    assert job.controller is not None
+    job.controller.send_signal(signal.SIGKILL)
+    job.controller.wait(timeout=10)
+    logs = [job.run_dir / f"agent-h{i}.out" for i in range(2)]
+    wait_for(lambda: all("(fencing)" in p.read_text() for p in logs if p.exists()), 60, "fencing")
+    job.start_controller()
+    job.wait()
+    assert losses(job.run_dir) == reference
+    evs = read_events(job.run_dir)
+    cause, _ = _fault(evs) or (None, None)
+    assert cause == "node_fenced", _fault(evs)
+    gen1 = next(e for e in evs if e["kind"] == "generation_started" and e["generation"] == 1)
+    assert gen1["restore_tiers"]["memory"] == 2, gen1
 
 
 def test_unauthenticated_clients_are_refused(job: Job) -> None:
@@ -248,6 +279,23 @@ def test_unauthenticated_clients_are_refused(job: Job) -> None:
     # the job is untouched: the controller still waits for its nodes, nobody joined
     evs = read_events(job.run_dir)
     assert not [e for e in evs if e["kind"] == "node_joined"]
+    # with the token: a second live agent under a node id already reporting is refused
+    token = (job.run_dir / "token").read_text().strip()
+
+    def report(incarnation: str) -> int:
+        body = {"node_id": "twin", "addr": "10.0.0.9", "incarnation": incarnation}
+        req = urllib.request.Request(
+            base + "/v1/report", method="POST", data=json.dumps(body).encode()
+        )
+        req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+
+    assert report("first") == 200
+    assert report("second") == 409
     assert job.controller is not None and job.controller.poll() is None
     job.controller.send_signal(signal.SIGTERM)
     job.controller.wait(timeout=30)

@@ -88,6 +88,13 @@ def host_health(run_dir: Path, shm_dir: Path) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
+def _error_text(e: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(e.read()).get("error", e))
+    except (OSError, ValueError):
+        return str(e)
+
+
 def interface_of(addr: str) -> str | None:
     """The network interface holding ``addr`` (gloo must use it: GLOO_SOCKET_IFNAME), or None."""
     for name, addrs in psutil.net_if_addrs().items():
@@ -115,6 +122,8 @@ class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self._last_report_ok = time.monotonic()  # of the last report the controller took
         self._last_warned = -1e9  # when we last logged that the controller is unreachable
+        self._fenced_generation = -1  # never restart these workers: the job moved on
+        self._refused_since: float | None = None  # the controller refuses our node id (409)
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
@@ -345,6 +354,7 @@ class Agent:
         if silent > float(d.get("node_timeout_s", 10.0)):
             log.warning("no controller contact for %.1fs: stopping our workers (fencing)", silent)
             self._event("fenced", generation=self.generation, silent_s=round(silent, 1))
+            self._fenced_generation = self.generation if self.generation is not None else -1
             with self._lock:  # idle until the controller says otherwise (a newer version)
                 self._desired = (self._desired[0], {"action": "idle", "ckpt": d["ckpt"]})
             self._stop_workers(grace_s=1.0)
@@ -370,6 +380,8 @@ class Agent:
             if d["host_store"] and (self._store is None or self._store[0] != gen):
                 self._host_store(gen)
             if self.generation != gen and d["master_port"] is not None:
+                if gen == self._fenced_generation:
+                    return False  # reported as fenced; the controller starts a new generation
                 self._start_generation(d)
             elif self.generation == gen and all(w.step is not None for w in self.workers.values()):
                 self.spares.fill(int(d["nproc_per_node"]))  # replenish once training is under way
@@ -627,6 +639,7 @@ class Agent:
             "workers": [w.observe(now) for w in list(self.workers.values())],
             "hang": self._hang,
             "stopped_generation": self._stopped_generation,
+            "fenced_generation": self._fenced_generation,
             "stopped_at": self._stopped_at,
             "cleaned_at": self._cleaned_at,
             "store": None if self._store is None else [self._store[0], self._store[1].port],
@@ -665,7 +678,9 @@ class Agent:
         if now - self._last_warned < 10.0:
             return
         self._last_warned = now
-        if isinstance(e, urllib.error.HTTPError) and e.code == 401:
+        if isinstance(e, urllib.error.HTTPError) and e.code == 409:
+            log.error("controller %s: %s", self.cfg.controller, _error_text(e))
+        elif isinstance(e, urllib.error.HTTPError) and e.code == 401:
             log.error(
                 "controller %s rejected our token; pass the job's token file (RUN_DIR/token)",
                 self.cfg.controller,
@@ -678,9 +693,15 @@ class Agent:
         snap = self._snapshot()
         try:
             self._accept(self._request("POST", "/v1/report", snap, timeout_s))
+            self._refused_since = None
             return True
         except (OSError, urllib.error.URLError, ValueError) as e:
             self._unreachable(e)
+            if isinstance(e, urllib.error.HTTPError) and e.code == 409:
+                first = self._refused_since = self._refused_since or time.monotonic()
+                if time.monotonic() - first > 30.0:  # not a reboot race: a name clash
+                    log.error("giving up: another live agent uses node id %s", self.cfg.node_id)
+                    self._shutdown.set()
             with self._lock:  # keep what was not delivered for the next attempt (bounded)
                 self._events[:0] = snap["events"][-10_000:]
                 for b in snap["steps"]:

@@ -37,6 +37,8 @@ from trainguard.checkpoint.api import CheckpointError
 log = logging.getLogger("trainguard.replica")
 NONCE_BYTES = 16
 IO_TIMEOUT_S = 60.0  # per socket operation
+PROOF_TIMEOUT_S = 5.0  # an unauthenticated client gets this long to prove the token
+MAX_CLIENTS = 32  # concurrent connections served; more wait in the listen backlog
 _BUF = 8 << 20
 
 
@@ -131,6 +133,7 @@ class ReplicaServer:
         self.addr = f"{bind}:{self.sock.getsockname()[1]}"
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
         threading.Thread(target=self._serve, name="replica-server", daemon=True).start()
 
     def index(self) -> dict[int, list[tuple[int, int]]]:
@@ -155,6 +158,9 @@ class ReplicaServer:
                 continue
             except OSError:
                 break
+            if not self._slots.acquire(timeout=PROOF_TIMEOUT_S):
+                conn.close()  # flooded: drop rather than queue unbounded threads
+                continue
             threading.Thread(
                 target=self._client, args=(conn, peer), name="replica-client", daemon=True
             ).start()
@@ -162,14 +168,15 @@ class ReplicaServer:
 
     def _client(self, conn: socket.socket, peer: Any) -> None:
         with conn:
-            conn.settimeout(IO_TIMEOUT_S)
             try:
+                conn.settimeout(PROOF_TIMEOUT_S)
                 nonce = os.urandom(NONCE_BYTES)
                 conn.sendall(nonce)
                 if not hmac.compare_digest(_recv_exact(conn, 32), _proof(self.token, nonce)):
                     log.warning("rejected an unauthenticated replica client from %s", peer)
                     self.emit("replica_rejected", peer=str(peer[0]))
                     return
+                conn.settimeout(IO_TIMEOUT_S)
                 req = _recv_line(conn)
                 if req.get("op") == "push":
                     _send_line(conn, self._push(conn, req))
@@ -179,6 +186,8 @@ class ReplicaServer:
                     _send_line(conn, {"error": f"unknown op {req.get('op')!r}"})
             except (OSError, ValueError, KeyError, ConnectionError) as e:
                 log.warning("replica connection from %s failed: %s", peer, e)
+            finally:
+                self._slots.release()
 
     def _push(self, conn: socket.socket, req: dict[str, Any]) -> dict[str, Any]:
         rank, step, gen = int(req["rank"]), int(req["step"]), int(req["generation"])

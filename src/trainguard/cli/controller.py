@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -40,8 +41,14 @@ def read_or_create_token(path: Path) -> str:
     """The job token in ``path``; a new random one is written there (0600) if it is missing."""
     if path.exists():
         token = path.read_text().strip()
-        if len(token) < 16:
-            raise ValueError(f"token file {path} holds no token; delete it to have one made")
+        try:
+            ok = len(bytes.fromhex(token)) >= 8
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"token file {path} holds no job token (16+ hex digits); delete it to have one made"
+            )
         return token
     token = secrets.token_hex(16)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -79,6 +86,37 @@ async def _serve(
     return state, (got[0] if got else 0)
 
 
+def _previous_port(run_dir: Path, host: str) -> int | None:
+    try:
+        old_host, _, old_port = json.loads((run_dir / "controller.json").read_text())[
+            "addr"
+        ].rpartition(":")
+    except (OSError, ValueError, KeyError):
+        return None
+    return int(old_port) if old_host == host else None
+
+
+# What makes a job the same job: a resumed controller refuses to change these.
+_IDENTITY = ("script", "script_args", "nodes", "min_nodes", "nproc_per_node")
+
+
+def _same_job(run_dir: Path, cfg: JobConfig) -> None:
+    """Raise ValueError if ``cfg`` differs from the stored job in what defines it."""
+    store = Store(run_dir)
+    try:
+        old = store.get("config") or {}
+    finally:
+        store.close()
+    new = dataclasses.asdict(cfg)
+    changed = [k for k in _IDENTITY if k in old and json.dumps(old[k]) != json.dumps(new[k])]
+    if changed:
+        was = ", ".join(f"{k}={old[k]!r}" for k in changed)
+        raise ValueError(
+            f"{run_dir} holds an unfinished job with {was}; resume it with the same command, "
+            "or pass another --run-dir"
+        )
+
+
 def controller_command(args: argparse.Namespace) -> int:
     host, port = parse_bind(args.bind)
     cfg = build_config(args)
@@ -106,5 +144,8 @@ def controller_command(args: argparse.Namespace) -> int:
                 ) from None
             if not state.phase.terminal:
                 resume = state
+                _same_job(run_dir, cfg)
+                if port == 0:  # agents know the old address: listen there again
+                    port = _previous_port(run_dir, host) or 0
     state, sig = asyncio.run(_serve(cfg, token, token_file, host, port, resume))
     return finish(cfg, state, sig)

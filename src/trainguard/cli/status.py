@@ -56,14 +56,22 @@ def status_command(args: argparse.Namespace) -> int:
     if controller is None:
         info = args.run_dir / "controller.json"
         if info.is_file():
-            controller = json.loads(info.read_text())["addr"]
+            try:
+                controller = str(json.loads(info.read_text())["addr"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(
+                    f"{info} is not a controller address file; pass --controller HOST:PORT"
+                ) from None
     st: dict[str, Any] | None = None
     source = "live"
     if controller is not None:
+        token = _token(args)
         try:
-            st = fetch(controller, _token(args))
+            st = fetch(controller, token)
+        except PermissionError:
+            raise
         except (OSError, urllib.error.URLError) as e:
-            if args.run_dir is None or isinstance(e, PermissionError):
+            if args.run_dir is None:
                 raise ValueError(
                     f"controller {controller} unreachable ({e}); is the job running? "
                     "pass --run-dir to see its last persisted state"

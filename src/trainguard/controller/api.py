@@ -192,6 +192,7 @@ class NodeObs:
     generation: int | None = None  # generation its workers belong to
     workers: dict[int, WorkerObs] = dataclasses.field(default_factory=dict)
     hang: bool = False
+    fenced_generation: int = -1  # the generation whose workers the agent stopped (fencing)
     health_ok: bool = True  # the agent's host checks (memory, disk, /dev/shm) pass
     health_problems: tuple[str, ...] = ()  # the agent's hang detector fired for `generation`
     stopped_generation: int = -1  # newest generation fully stopped and cleaned here
@@ -209,7 +210,8 @@ class NodeObs:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Fault:
-    """A detected fault. ``cause``: worker_crash | worker_exit | hang | node_lost | rendezvous_timeout."""
+    """A detected fault. ``cause``: worker_crash | worker_exit | hang | node_lost | node_fenced |
+    rendezvous_timeout."""
 
     cause: str
     generation: int

@@ -245,9 +245,23 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             t_detected=now,
             message=why,
         )
+    fenced = [n for n in s.assignment if n in obs and obs[n].fenced_generation == gen]
+    if fenced:
+        n = fenced[0]
+        return Fault(
+            cause="node_fenced",
+            generation=gen,
+            rank=None,
+            node_id=n,
+            step=s.max_step.get(gen),
+            t_fault=now,
+            t_detected=now,
+            message=f"node {n} stopped its workers: it lost contact with the controller",
+        )
     failed = [
         (w.exited_at or now, n, w)
         for n in s.assignment
+        if n in obs
         for w in obs[n].workers.values()
         if obs[n].generation == gen and w.state == "failed"
     ]
@@ -270,14 +284,14 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             t_detected=now,
             message=f"rank {w.rank} {what}" + (f": {w.error}" if w.error else ""),
         )
-    hung = [n for n in s.assignment if obs[n].hang and obs[n].generation == gen]
+    hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
     if hung:
         # Culprit: a rank whose heartbeat stopped (frozen process), else the rank furthest behind.
         workers = [
             (n, w)
             for n in s.assignment
+            if n in obs and obs[n].generation == gen
             for w in obs[n].workers.values()
-            if obs[n].generation == gen
         ]
         stale = [(n, w) for n, w in workers if (w.heartbeat_age_s or 0) > 2 * cfg.heartbeat_s + 1]
         pool = stale or workers
@@ -353,7 +367,8 @@ def decide(
         # node ranks follow node names, so node0 is node rank 0 when it is there.
         healthy = sorted(_healthy_standby(s, obs, now, cfg), key=lambda n: (len(n), n))
         everyone = len(healthy) >= cfg.nodes + cfg.standby
-        if everyone or (len(healthy) >= cfg.nodes and now - s.phase_since > cfg.join_timeout_s):
+        enough = len(healthy) >= (cfg.min_nodes or cfg.nodes)  # elastic: MIN will do
+        if everyone or (enough and now - s.phase_since > cfg.join_timeout_s):
             s.assignment = {n: i for i, n in enumerate(healthy[: cfg.nodes])}
             why = (
                 "all nodes joined"
@@ -369,7 +384,10 @@ def decide(
             s.master_port = store[1]
         fault = _detect_fault(s, obs, now, cfg)
         workers = [
-            w for n in s.assignment for w in obs[n].workers.values() if obs[n].generation == gen
+            w
+            for n in s.assignment
+            if n in obs and obs[n].generation == gen
+            for w in obs[n].workers.values()
         ]
         if fault is not None:
             s.recovery = Recovery(fault=fault, from_generation=gen)
@@ -596,7 +614,8 @@ def _replace_and_restart(
                     "from_nodes": len(s.assignment) + len(gone),
                     "to_nodes": len(s.assignment),
                     "left": gone,
-                    "reason": f"no standby for {', '.join(gone)}; elastic down to {cfg.min_nodes}",
+                    "reason": f"no standby for {', '.join(gone)}; elastic (at least "
+                    f"{cfg.min_nodes} nodes): going on with {len(s.assignment)}",
                 },
             )
         )

@@ -160,6 +160,22 @@ class Controller:
     async def _report(self, request: web.Request) -> web.Response:
         body = await request.json()
         node_id = str(body["node_id"])
+        old = self.obs.get(node_id)
+        if (
+            old is not None
+            and old.incarnation != str(body["incarnation"])
+            and time.time() - old.last_seen < 2 * self.cfg.heartbeat_s + 0.5
+        ):
+            # Another agent still reports under this node id (a rebooted node's old agent has
+            # stopped reporting by now): two hosts share a name.
+            log.warning("refused a second live agent for node %s from %s", node_id, body["addr"])
+            return web.json_response(
+                {
+                    "error": f"node id {node_id} is in use by a live agent at {old.addr}; "
+                    "give each host its own --node-id"
+                },
+                status=409,
+            )
         self._ingest(node_id, body)
         self._tick()
         version, desired = self._desired.get(node_id, (0, {"action": "idle"}))
@@ -222,6 +238,7 @@ class Controller:
                 int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()
             },
             replica_addr=body.get("replica_addr"),
+            fenced_generation=int(body.get("fenced_generation", -1)),
             health_ok=bool((body.get("health") or {}).get("ok", True)),
             health_problems=tuple((body.get("health") or {}).get("problems", [])),
             store=tuple(store) if store else None,  # type: ignore[arg-type]
