@@ -65,7 +65,8 @@ class AgentConfig:
 # Host checks an agent reports with every heartbeat (the controller readmits a faulty node to
 # standby only when they pass). Floors, not ratios: below these a restart would fail anyway
 # (a worker + spare need ~1 GiB here; a durable step of the example ~40 MiB, a 7B model's
-# shard several GiB — raise them for big models). The full pre-flight is `trainguard check`.
+# shard several GiB — raise them for big models). GEMM, collective and training checks
+# belong to the pre-flight (not built yet).
 MIN_FREE_MEMORY = 1 << 30
 MIN_FREE_DISK = 1 << 30
 MIN_FREE_SHM = 256 << 20
