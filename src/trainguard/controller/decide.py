@@ -224,6 +224,19 @@ def _healthy_standby(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobC
     ]
 
 
+def _node_fault(s: JobState, cause: str, node: str, t_fault: float, now: float, why: str) -> Fault:
+    return Fault(
+        cause=cause,
+        generation=s.generation,
+        rank=None,
+        node_id=node,
+        step=s.max_step.get(s.generation),
+        t_fault=t_fault,
+        t_detected=now,
+        message=why,
+    )
+
+
 def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Fault | None:
     """First fault of the current generation, culprit localized where the reports allow."""
     gen = s.generation
@@ -235,29 +248,11 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         else:
             seen = obs[n].last_seen if n in obs else s.phase_since
             why = f"no heartbeat from {n} for {now - seen:.1f}s"
-        return Fault(
-            cause="node_lost",
-            generation=gen,
-            rank=None,
-            node_id=n,
-            step=s.max_step.get(gen),
-            t_fault=seen,
-            t_detected=now,
-            message=why,
-        )
+        return _node_fault(s, "node_lost", n, seen, now, why)
     fenced = [n for n in s.assignment if n in obs and obs[n].fenced_generation == gen]
     if fenced:
-        n = fenced[0]
-        return Fault(
-            cause="node_fenced",
-            generation=gen,
-            rank=None,
-            node_id=n,
-            step=s.max_step.get(gen),
-            t_fault=now,
-            t_detected=now,
-            message=f"node {n} stopped its workers: it lost contact with the controller",
-        )
+        why = f"node {fenced[0]} stopped its workers: it lost contact with the controller"
+        return _node_fault(s, "node_fenced", fenced[0], now, now, why)
     failed = [
         (w.exited_at or now, n, w)
         for n in s.assignment

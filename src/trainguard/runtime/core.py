@@ -61,6 +61,7 @@ class Runtime:
         self._last_end = time.time()
         self._last_step: int | None = None
         self._slow_debt_s = 0.0
+        self._steps_ended = 0  # in this process (its first step includes start-up)
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
@@ -99,6 +100,7 @@ class Runtime:
         duration = now - self._last_end
         self._last_end = now
         self._last_step = step
+        self._steps_ended += 1
         if self._agent is not None:
             self._queue.put(
                 {
@@ -131,7 +133,10 @@ class Runtime:
 
     def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
         if spec.kind == "slow":
-            # Sleep so that this step takes `factor` times its compute time.
+            # Sleep so that this step takes `factor` times its compute time (from the second
+            # step of the process on: the first one's duration includes start-up).
+            if self._steps_ended < 2:
+                return
             compute = max(0.0, duration - self._slow_debt_s)
             self._slow_debt_s = compute * (spec.factor - 1.0)
             time.sleep(self._slow_debt_s)  # counted in the next step's duration
