@@ -21,6 +21,7 @@ def cfg(**kw: object) -> JobConfig:
         "max_restarts": 3,
     }
     base.update(kw)
+    base.setdefault("preflight", "off")
     return JobConfig(**base)  # type: ignore[arg-type]
 
 

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +38,9 @@ from typing import Any
 import psutil
 
 from trainguard.agent import workers as wk
+from trainguard.agent.checks import CheckRunner
 from trainguard.checkpoint import ckptd as ckptd_mod
+from trainguard.health.host import host_health
 from trainguard.runtime import api as rt_api
 from trainguard.runtime import wire
 
@@ -60,33 +61,6 @@ class AgentConfig:
     run_dir: Path  # job run directory (logs, errors, checkpoints)
     exit_with_parent: bool = False  # embedded mode: stop when the launcher dies
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
-
-
-# Host checks an agent reports with every heartbeat (the controller readmits a faulty node to
-# standby only when they pass). Floors, not ratios: below these a restart would fail anyway
-# (a worker + spare need ~1 GiB here; a durable step of the example ~40 MiB, a 7B model's
-# shard several GiB — raise them for big models). GEMM, collective and training checks
-# belong to the pre-flight (not built yet).
-MIN_FREE_MEMORY = 1 << 30
-MIN_FREE_DISK = 1 << 30
-MIN_FREE_SHM = 256 << 20
-
-
-def host_health(run_dir: Path, shm_dir: Path) -> tuple[bool, list[str]]:
-    """(ok, problems): available memory, free disk under the run dir, free /dev/shm."""
-    problems = []
-    mem = psutil.virtual_memory().available
-    if mem < MIN_FREE_MEMORY:
-        problems.append(f"memory: {mem >> 20} MiB available < {MIN_FREE_MEMORY >> 20} MiB")
-    for what, path, floor in (("disk", run_dir, MIN_FREE_DISK), ("shm", shm_dir, MIN_FREE_SHM)):
-        try:
-            free = shutil.disk_usage(path).free
-        except OSError as e:
-            problems.append(f"{what}: {path}: {e.strerror}")
-            continue
-        if free < floor:
-            problems.append(f"{what}: {free >> 20} MiB free at {path} < {floor >> 20} MiB")
-    return not problems, problems
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
@@ -132,7 +106,8 @@ class Agent:
         self._wake = threading.Event()
         self._report_now = threading.Event()
         self._shutdown = threading.Event()
-        self._desired: tuple[int, dict[str, Any]] = (0, {"action": "idle"})
+        # No spares before the controller says how many (a node may be checked first).
+        self._desired: tuple[int, dict[str, Any]] = (0, {"action": "idle", "nproc_per_node": 0})
         self.generation: int | None = None
         self._run_desired: dict[str, Any] = {}
         self.workers: dict[int, wk.Worker] = {}
@@ -162,6 +137,7 @@ class Agent:
         # Spares carry the run dir so that every process of a job can be attributed to it.
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
         self.spares = wk.SparePool(spare_env, self._spare_log)
+        self.checks = CheckRunner(cfg.run_dir, cfg.node_id, cfg.controller.rsplit(":", 1)[0])
 
     # ------------------------------------------------------------------ environment
     def _base_env(self) -> dict[str, str]:
@@ -171,6 +147,7 @@ class Agent:
         if ifname:
             env.setdefault("GLOO_SOCKET_IFNAME", ifname)
         env["PYTHONUNBUFFERED"] = "1"
+        env[rt_api.ENV_NODE_ID] = self.cfg.node_id  # names this node's processes (leftovers)
         return env
 
     def _worker_env(self, d: dict[str, Any], local_rank: int) -> dict[str, str]:
@@ -248,6 +225,7 @@ class Agent:
                 self._wake.wait(LOOP_S)
                 self._wake.clear()
         finally:
+            self.checks.stop()
             self._stop_workers(grace_s=15.0)
             self.spares.close()
             self._stop_ckptd()
@@ -372,6 +350,13 @@ class Agent:
         if action == "shutdown":
             log.info("job ended (%s: %s); agent exiting", d.get("phase"), d.get("reason"))
             return True
+        if action == "check":
+            env = self._base_env()
+            if "OMP_NUM_THREADS" not in os.environ:  # GEMM measures with every core it has
+                env.pop("OMP_NUM_THREADS", None)
+            self.checks.run(d["task"], env)
+            return False
+        self.checks.stop()
         if "ckpt" in d:
             self._ensure_ckptd(d["ckpt"])
         if action == "run":
@@ -647,6 +632,8 @@ class Agent:
             "events": events,
             "memory": self._memory,
             "health": self._health(),
+            "checks": self.checks.report(),
+            "time": time.time(),  # the controller measures clock skew from it
             "replicas": self._replicas,
             "replica_addr": self._replica_addr,
             "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],

@@ -1,4 +1,4 @@
-"""``trainguard`` command line: run, controller, agent, status, ckpt, events, report.
+"""``trainguard`` command line: run, controller, agent, check, status, ckpt, events, report.
 
 Every bad input ends in one line ``trainguard: error: <problem>; <fix>`` and exit
 status 2, before any process starts.
@@ -105,6 +105,37 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--run-dir", type=Path, required=True, help="the job's run dir (shared storage)")
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
+    h = sub.add_parser("check", help="pre-flight node checks: host, GEMM, collectives, training")
+    h.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="simulated nodes to check (default 4), or agents to wait for with --bind",
+    )
+    h.add_argument(
+        "--controller", default=None, metavar="HOST:PORT", help="check a live job's idle nodes"
+    )
+    h.add_argument("--bind", default=None, metavar="HOST:PORT", help="wait for real agents here")
+    h.add_argument("--level", choices=["quick", "full"], default=None, help="default quick")
+    h.add_argument("--json", action="store_true", help="machine-readable output")
+    h.add_argument(
+        "--run-dir", type=Path, default=None, help="where results go (default runs/check-<time>)"
+    )
+    h.add_argument("--token-file", type=Path, default=None, help="default RUN_DIR/token")
+    h.add_argument(
+        "--config", type=Path, default=None, help="TOML file of CheckConfig fields (thresholds)"
+    )
+    h.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="drill, e.g. gemm-wrong:node=2",
+    )
+    h.add_argument(
+        "--join-timeout", type=float, default=120.0, metavar="SECONDS", help=argparse.SUPPRESS
+    )
+
     t = sub.add_parser("status", help="a live job's phase, node lists and nodes")
     t.add_argument("--controller", default=None, metavar="HOST:PORT")
     t.add_argument("--run-dir", type=Path, default=None)
@@ -149,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.cli.controller import controller_command
 
             return controller_command(args)
+        if args.cmd == "check":
+            from trainguard.cli.check import check_command
+
+            return check_command(args)
         if args.cmd == "status":
             from trainguard.cli.status import status_command
 

@@ -165,6 +165,8 @@ class Cluster:
             stdout=n.log,
             stderr=n.log,
             start_new_session=True,
+            # Simulated nodes share this machine's cores: one GEMM thread each in pre-flight.
+            env={**os.environ, "TRAINGUARD_CHECK_THREADS": "1"},
         )
         n.down_since = None
 

@@ -105,6 +105,9 @@ class JobConfig:
     # host checks pass. A node lost retire_after times is retired for good.
     recheck_s: float = 30.0
     retire_after: int = 3
+    # Pre-flight checks (health/): a node joins the pool, and a quarantined node returns to
+    # standby, only after it passes them. "quick" (about 30 s for 4 nodes here), "full", "off".
+    preflight: str = "quick"
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 
     def __post_init__(self) -> None:
@@ -118,6 +121,10 @@ class JobConfig:
             f"--nodes {self.min_nodes}:{self.nodes}: need 1 <= MIN <= MAX",
         )
         need(self.standby >= 0, f"--standby {self.standby}: must be >= 0")
+        need(
+            self.preflight in ("quick", "full", "off"),
+            f"preflight={self.preflight!r}: use quick, full or off",
+        )
         need(self.replica_copies >= 1, f"replica_copies={self.replica_copies}: must be >= 1")
         need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
         need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
@@ -145,9 +152,10 @@ class JobConfig:
                     f"--inject {spec.describe()}: rank out of range 0..{self.world_size - 1}",
                 )
             if spec.node is not None:
+                top = self.nodes + (self.standby if spec.kind == "gemm-wrong" else 0)
                 need(
-                    spec.node < self.nodes,
-                    f"--inject {spec.describe()}: node out of range 0..{self.nodes - 1}",
+                    spec.node < top,
+                    f"--inject {spec.describe()}: node out of range 0..{top - 1}",
                 )
 
     @property
@@ -194,7 +202,11 @@ class NodeObs:
     hang: bool = False
     fenced_generation: int = -1  # the generation whose workers the agent stopped (fencing)
     health_ok: bool = True  # the agent's host checks (memory, disk, /dev/shm) pass
-    health_problems: tuple[str, ...] = ()  # the agent's hang detector fired for `generation`
+    health_problems: tuple[str, ...] = ()  # the host checks that fail
+    # The node's newest pre-flight verdict (health/coordinator.py): when, and its problems.
+    checked_at: float | None = None
+    check_problems: tuple[str, ...] = ()
+    clock_skew_s: float | None = None  # the agent's clock minus ours, at its last report
     stopped_generation: int = -1  # newest generation fully stopped and cleaned here
     stopped_at: float | None = None
     cleaned_at: float | None = None

@@ -52,6 +52,9 @@ class JobState:
     growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
     node_faults: dict[str, int] = dataclasses.field(default_factory=dict)  # times marked faulty
     recheck_at: dict[str, float] = dataclasses.field(default_factory=dict)  # faulty → next check
+    faulty_since: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # readmit: a newer pass
     last_world: int = 0  # ranks of the newest generation (a change: restore from durable)
     # rank → replica server to fetch the restore point from (ranks on replaced nodes)
     restore_sources: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -114,45 +117,83 @@ def _update_pools(
         alive = _alive(o, now, cfg)
         pool = s.pools.get(node_id)
         if pool is None and alive:
-            s.pools[node_id] = Pool.STANDBY
-            s.join_order.append(node_id)
-            events.append(("node_joined", {"node": node_id, "addr": o.addr, "pool": "standby"}))
+            _admit(s, o, now, cfg, events)
         elif pool == Pool.FAULTY and alive:
             fresh = s.faulty_incarnations.get(node_id) != o.incarnation
             due = now >= s.recheck_at.get(node_id, now)
-            if (fresh or due) and o.health_ok:
-                s.pools[node_id] = Pool.STANDBY
-                s.recheck_at.pop(node_id, None)
-                why = "node returned with a fresh agent" if fresh else "reachable again"
-                events.append(
-                    (
-                        "pool_changed",
-                        {
-                            "node": node_id,
-                            "from": "faulty",
-                            "to": "standby",
-                            "reason": f"{why}; host checks pass",
-                        },
-                    )
-                )
-            elif due:
-                k = s.node_faults.get(node_id, 1)
-                delay = _recheck_delay(cfg, k) * 2
-                s.recheck_at[node_id] = now + delay
-                events.append(
-                    (
-                        "recheck_failed",
-                        {
-                            "node": node_id,
-                            "problems": list(o.health_problems),
-                            "next_in_s": delay,
-                        },
-                    )
-                )
+            if fresh or due:
+                _recheck(s, o, now, cfg, events, fresh)
         elif pool == Pool.STANDBY and not alive:
             mark_faulty(s, node_id, now, cfg, events, f"no heartbeat for {now - o.last_seen:.1f}s")
         if alive:
             s.incarnations[node_id] = o.incarnation
+
+
+def _admit(s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Event]) -> None:
+    """A node seen for the first time joins standby, once it passed pre-flight (if on); a
+    node that failed pre-flight joins quarantined (faulty), re-checked later."""
+    node = o.node_id
+    if cfg.preflight != "off" and o.checked_at is None:
+        return  # being checked
+    s.join_order.append(node)
+    s.incarnations[node] = o.incarnation
+    if cfg.preflight != "off" and o.check_problems:
+        events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "faulty"}))
+        why = "failed pre-flight: " + "; ".join(o.check_problems)
+        mark_faulty(s, node, now, cfg, events, why)
+        return
+    s.pools[node] = Pool.STANDBY
+    events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "standby"}))
+    if cfg.preflight != "off":
+        events.append(
+            (
+                "pool_changed",
+                {"node": node, "from": None, "to": "standby", "reason": "passed pre-flight"},
+            )
+        )
+
+
+def needs_recheck(s: JobState, o: NodeObs, now: float, cfg: JobConfig) -> bool:
+    """A quarantined node that is reachable, due for its re-check (or back with a fresh agent)
+    and passes its host checks, but has no pre-flight verdict newer than its fault."""
+    if cfg.preflight == "off" or s.pools.get(o.node_id) != Pool.FAULTY or not o.health_ok:
+        return False
+    fresh = s.faulty_incarnations.get(o.node_id) != o.incarnation
+    due = now >= s.recheck_at.get(o.node_id, now)
+    checked = o.checked_at is not None and o.checked_at > s.faulty_since.get(o.node_id, 0.0)
+    return (fresh or due) and not checked
+
+
+def _recheck(
+    s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Event], fresh: bool
+) -> None:
+    """Return a quarantined node to standby when its host checks pass and (pre-flight on) a
+    pre-flight newer than its fault passed; else back off before the next re-check."""
+    node = o.node_id
+    checked = cfg.preflight == "off" or (
+        o.checked_at is not None and o.checked_at > s.faulty_since.get(node, 0.0)
+    )
+    if o.health_ok and not checked:
+        return  # the coordinator is checking it
+    failed = [] if o.health_ok else list(o.health_problems) or ["host checks fail"]
+    if cfg.preflight != "off":
+        failed += list(o.check_problems)
+    if not failed:
+        s.pools[node] = Pool.STANDBY
+        s.recheck_at.pop(node, None)
+        why = "node returned with a fresh agent" if fresh else "reachable again"
+        passed = "host checks pass" if cfg.preflight == "off" else "host checks and pre-flight pass"
+        events.append(
+            (
+                "pool_changed",
+                {"node": node, "from": "faulty", "to": "standby", "reason": f"{why}; {passed}"},
+            )
+        )
+        return
+    delay = _recheck_delay(cfg, s.node_faults.get(node, 1)) * 2
+    s.recheck_at[node] = now + delay
+    s.faulty_since[node] = now  # the next re-check needs a newer verdict
+    events.append(("recheck_failed", {"node": node, "problems": failed, "next_in_s": delay}))
 
 
 def _recheck_delay(cfg: JobConfig, faults: int) -> float:
@@ -167,6 +208,7 @@ def mark_faulty(
     before = s.pools.get(node)
     k = s.node_faults[node] = s.node_faults.get(node, 0) + 1
     s.faulty_incarnations[node] = s.gen_incarnations.get(node) or s.incarnations.get(node, "")
+    s.faulty_since[node] = now
     if k >= cfg.retire_after:
         s.pools[node] = Pool.RETIRED
         s.recheck_at.pop(node, None)
@@ -363,11 +405,16 @@ def decide(
         healthy = sorted(_healthy_standby(s, obs, now, cfg), key=lambda n: (len(n), n))
         everyone = len(healthy) >= cfg.nodes + cfg.standby
         enough = len(healthy) >= (cfg.min_nodes or cfg.nodes)  # elastic: MIN will do
-        if everyone or (enough and now - s.phase_since > cfg.join_timeout_s):
+        failed = sorted(n for n, p in s.pools.items() if p in (Pool.FAULTY, Pool.RETIRED))
+        # Every expected node joined, some failed pre-flight: start on the ones that passed.
+        settled = enough and len(healthy) + len(failed) >= cfg.nodes + cfg.standby
+        if everyone or settled or (enough and now - s.phase_since > cfg.join_timeout_s):
             s.assignment = {n: i for i, n in enumerate(healthy[: cfg.nodes])}
             why = (
                 "all nodes joined"
                 if everyone
+                else f"{len(healthy)} nodes passed pre-flight; left out: {', '.join(failed)}"
+                if settled
                 else f"{len(healthy)} nodes joined in {cfg.join_timeout_s}s"
             )
             _start_generation(s, obs, cfg, now, events, durable, why)
@@ -781,7 +828,7 @@ def desired_for(
     if s.phase not in _ACTIVE_GEN:
         return idle
     master = next(n for n, r in s.assignment.items() if r == 0)
-    injects = [i.to_json() for i in cfg.injects if i.id not in s.fired]
+    injects = [i.to_json() for i in cfg.injects if i.id not in s.fired and i.kind != "gemm-wrong"]
     return {
         "action": "run",
         "generation": s.generation,

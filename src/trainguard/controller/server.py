@@ -8,6 +8,8 @@ Endpoints (all require ``Authorization: Bearer <job token>``):
 - ``GET  /v1/status``   job phase, pools (the seed's five lists), generation, recoveries, and
                         each node's last report (address, age, generation, workers' steps)
 - ``POST /v1/stop``     request a clean stop of the job
+- ``POST /v1/check``    start a pre-flight run on the idle nodes (``{"level": "quick"|"full"}``);
+                        409 while one runs. ``GET /v1/check?run=N``: its progress and verdicts
 """
 
 from __future__ import annotations
@@ -26,12 +28,17 @@ from aiohttp import web
 
 from trainguard.checkpoint import storage
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
-from trainguard.controller.decide import JobState, decide, desired_for, world_of
+from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
 from trainguard.controller.store import Store
+from trainguard.health.coordinator import Preflight
+from trainguard.health.judge import CheckConfig
 
 log = logging.getLogger("trainguard.controller")
 TICK_S = 0.1
 MAX_WAIT_S = 30.0
+# New nodes are checked together: a run starts when the expected count has reported, or when
+# no new node has appeared for this long.
+SETTLE_S = 1.5
 
 
 def state_json(s: JobState) -> dict[str, Any]:
@@ -61,6 +68,9 @@ class Controller:
     ``resume``: the state a previous controller of this job persisted (its process died);
     the job goes on where it was, without restarting workers. For ``node_timeout_s`` after
     the start no decision is taken until every node of the job has reported again.
+
+    ``check_only``: no job; run one pre-flight over the first ``cfg.nodes`` agents that report
+    (or those there after ``join_timeout_s``), then end (``trainguard check``).
     """
 
     def __init__(
@@ -72,8 +82,11 @@ class Controller:
         host: str = "127.0.0.1",
         port: int = 0,
         resume: JobState | None = None,
+        check_only: bool = False,
+        check_cfg: CheckConfig | None = None,
     ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
+        self.check_only = check_only
         self._token = f"Bearer {token}".encode()
         self.state = resume if resume is not None else JobState(phase_since=time.time())
         self._resume_until = time.time() + cfg.node_timeout_s if resume is not None else 0.0
@@ -89,6 +102,22 @@ class Controller:
         self._marks: dict[str, dict[int, float]] = {}
         self._first_step_gen: set[int] = set()
         self._last_state = ""
+        self._first_seen: dict[str, float] = {}
+        self._closing = False
+        self.preflight: Preflight | None = None
+        if check_only or cfg.preflight != "off":
+            level = cfg.preflight if cfg.preflight != "off" else "quick"
+            injects: dict[str, list[str]] = {}
+            for spec in cfg.injects:
+                if spec.kind == "gemm-wrong":
+                    injects.setdefault(f"node{spec.node}", []).append(spec.kind)
+            self.preflight = Preflight(
+                check_cfg or CheckConfig(level=level), store, ckpt_dir=cfg.ckpt_dir,
+                shm_dir=cfg.shm_dir, injects=injects,
+            )  # fmt: skip
+        if check_only:
+            store.record("check_started", {"nodes": cfg.nodes})
+            return
         store.put(
             "config", {**dataclasses.asdict(cfg), "injects": [i.to_json() for i in cfg.injects]}
         )
@@ -118,6 +147,8 @@ class Controller:
                 web.get("/v1/desired", self._get_desired),
                 web.get("/v1/status", self._status),
                 web.post("/v1/stop", self._stop),
+                web.post("/v1/check", self._check_start),
+                web.get("/v1/check", self._check_get),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None)
@@ -140,6 +171,8 @@ class Controller:
     async def close(self) -> None:
         if self._tick_task is not None:
             self._tick_task.cancel()
+        self._closing = True  # long polls answer now, so the HTTP server stops at once
+        await self._notify()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -187,7 +220,7 @@ class Controller:
         wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
 
         def newer() -> bool:
-            return self._desired.get(node_id, (0, {}))[0] > version
+            return self._closing or self._desired.get(node_id, (0, {}))[0] > version
 
         async with self._changed:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -208,10 +241,57 @@ class Controller:
                 "generation": o.generation,
                 "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
                 "health": list(o.health_problems) or "ok",
+                "preflight": None if o.checked_at is None else list(o.check_problems) or "ok",
+                "clock_skew_s": o.clock_skew_s,
             }
             for n, o in sorted(self.obs.items())
         }
+        pf = self.preflight
+        out["preflight"] = (
+            None
+            if pf is None
+            else pf.active.to_json()
+            if pf.active
+            else self.store.get("preflight_last")
+        )
         return web.json_response(out)
+
+    async def _check_start(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        level = body.get("level") or None
+        if level not in (None, "quick", "full"):
+            return web.json_response({"error": f"level {level!r}: use quick or full"}, status=400)
+        if self.preflight is None:
+            self.preflight = Preflight(
+                CheckConfig(), self.store, ckpt_dir=self.cfg.ckpt_dir, shm_dir=self.cfg.shm_dir
+            )
+        if self.preflight.active is not None:
+            return web.json_response(
+                {"error": "a pre-flight run is in progress", "run": self.preflight.active.id},
+                status=409,
+            )
+        now = time.time()
+        busy = sorted(n for n, p in self.state.pools.items() if p == Pool.RUNNING)
+        idle = [n for n in sorted(self.obs) if self._alive(n, now) and n not in busy]
+        if not idle:
+            return web.json_response(
+                {"error": "no idle node to check (nodes are not checked while they train)"},
+                status=409,
+            )
+        run = self.preflight.start(idle, "requested (trainguard check)", now, level)
+        self._publish()
+        return web.json_response({"run": run.id, "nodes": idle, "not_checked": busy})
+
+    async def _check_get(self, request: web.Request) -> web.Response:
+        pf = self.preflight
+        try:
+            run = pf.runs.get(int(request.query.get("run", "0"))) if pf else None
+        except ValueError:
+            run = None
+        if run is None:
+            return web.json_response({"error": "no such pre-flight run"}, status=404)
+        pools = {n: p.value for n, p in self.state.pools.items()}
+        return web.json_response({**run.to_json(), "lists": pool_lists(pools)})
 
     async def _stop(self, request: web.Request) -> web.Response:
         self.request_stop()
@@ -242,7 +322,11 @@ class Controller:
             health_ok=bool((body.get("health") or {}).get("ok", True)),
             health_problems=tuple((body.get("health") or {}).get("problems", [])),
             store=tuple(store) if store else None,  # type: ignore[arg-type]
+            clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
         )
+        self._first_seen.setdefault(node_id, now)
+        if self.preflight is not None:
+            self.preflight.ingest(node_id, body.get("checks", []))
         for ev in body.get("events", []):
             ev = {**ev, "node": node_id}
             kind = ev.pop("kind")
@@ -331,6 +415,11 @@ class Controller:
             if time.time() < self._resume_until and not self._all_back():
                 return  # after a controller restart: let every node report before deciding
             self._resume_until = 0.0
+        if self.preflight is not None:
+            self._preflight_tick(time.time())
+        if self.check_only:
+            self._check_only_tick(time.time())
+            return
         ckpt = self._durable() if needs_ckpt else []
         new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
         for kind, data in events:
@@ -352,13 +441,66 @@ class Controller:
         if new.recovery is not None and self.state.recovery is None:
             self._marks.clear()
         self.state = new
-        snapshot = json.dumps(state_json(new), sort_keys=True)
+        self._persist_and_publish()
+
+    def _persist_and_publish(self) -> None:
+        snapshot = json.dumps(state_json(self.state), sort_keys=True)
         if snapshot != self._last_state:
             self._last_state = snapshot
             self.store.put("state", json.loads(snapshot))
         self._publish()
-        if new.phase.terminal:
+        if self.state.phase.terminal:
             self._done.set()
+
+    def _alive(self, node_id: str, now: float) -> bool:
+        o = self.obs.get(node_id)
+        return o is not None and now - o.last_seen <= self.cfg.node_timeout_s
+
+    def _preflight_tick(self, now: float) -> None:
+        """Advance the pre-flight run; start one for new nodes (batched) or quarantined nodes
+        due for a re-check; hand verdicts to the observations ``decide`` reads."""
+        pf = self.preflight
+        assert pf is not None
+        pf.tick(now, {n for n in self.obs if self._alive(n, now)})
+        for n, o in self.obs.items():
+            v = pf.verdicts.get(n)
+            if v is not None:
+                o.checked_at, o.check_problems = v.at, v.problems
+        if pf.active is not None or self.check_only or self.state.phase.terminal:
+            return
+        s = self.state
+        alive = [n for n in sorted(self.obs) if self._alive(n, now)]
+        new = [n for n in alive if n not in s.pools and n not in pf.verdicts]
+        recheck = [n for n in alive if needs_recheck(s, self.obs[n], now, self.cfg)]
+        if new:
+            settled = now - max(self._first_seen[n] for n in new) >= SETTLE_S
+            if settled or len(new) + len(s.pools) >= self.cfg.nodes + self.cfg.standby:
+                pf.start(new + recheck, "new node(s) joining the pool", now)
+        elif recheck:
+            pf.start(recheck, "re-check before readmission", now)
+
+    def _check_only_tick(self, now: float) -> None:
+        pf, s = self.preflight, self.state
+        assert pf is not None
+        alive = [n for n in sorted(self.obs) if self._alive(n, now)]
+        waited = now - s.phase_since
+        if s.phase.terminal:
+            pass
+        elif s.stop_requested:
+            s.phase, s.reason = Phase.STOPPED, "stopped by request"
+        elif pf.active is None and s.phase == Phase.PENDING:
+            if len(alive) >= self.cfg.nodes or (alive and waited > self.cfg.join_timeout_s):
+                pf.start(alive, f"trainguard check ({len(alive)} of {self.cfg.nodes} nodes)", now)
+                s.phase = Phase.RUNNING
+            elif waited > self.cfg.join_timeout_s:
+                s.phase, s.reason = Phase.FAILED, f"no agent joined in {self.cfg.join_timeout_s}s"
+        elif pf.active is None and s.phase == Phase.RUNNING:
+            run = pf.runs[max(pf.runs)]
+            for n in run.nodes:
+                s.pools[n] = Pool.FAULTY if run.problems.get(n) else Pool.STANDBY
+            passed = sum(1 for n in run.nodes if not run.problems.get(n))
+            s.phase, s.reason = Phase.SUCCEEDED, f"{passed} of {len(run.nodes)} nodes passed"
+        self._persist_and_publish()
 
     def _all_back(self) -> bool:
         want = {n for n, p in self.state.pools.items() if p in (Pool.RUNNING, Pool.STANDBY)}
@@ -367,7 +509,15 @@ class Controller:
     def _publish(self) -> None:
         changed = False
         for node_id in list(self.obs):
-            want = desired_for(self.state, node_id, self.obs, self.cfg)
+            if self.check_only and not self.state.phase.terminal:
+                want: dict[str, Any] = {"action": "idle", "nproc_per_node": 0}
+            else:
+                want = desired_for(self.state, node_id, self.obs, self.cfg)
+            task = None
+            if self.preflight is not None and want["action"] == "idle":
+                task = self.preflight.task_for(node_id, self.obs[node_id].clock_skew_s)
+            if task is not None:
+                want = {"action": "check", "task": task}
             version, have = self._desired.get(node_id, (self._version_base, {}))
             if want != have:
                 self._desired[node_id] = (version + 1, want)

@@ -9,6 +9,8 @@ Kinds (each fires once per job, not again after the restart it causes):
 - ``node-down:node=N:step=S`` SIGKILL node N's agent and all its workers (power loss)
                               when that node's first rank ends step S
 - ``slow:rank=R:factor=F``    rank R's steps take F times as long (sleep injection)
+- ``gemm-wrong:node=N``       node N's pre-flight GEMM returns a wrong result (one element
+                              off by one): silent data corruption for the checks to catch
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "hang": ("rank", "step"),
     "node-down": ("node", "step"),
     "slow": ("rank", "factor"),
+    "gemm-wrong": ("node",),
 }
 _EXAMPLE = "kill:rank=1:step=20"
 
@@ -47,6 +50,8 @@ class InjectSpec:
         return InjectSpec(**d)
 
     def describe(self) -> str:
+        if self.kind == "gemm-wrong":
+            return f"gemm-wrong:node={self.node}"
         where = f"node={self.node}" if self.kind == "node-down" else f"rank={self.rank}"
         tail = f":factor={self.factor}" if self.kind == "slow" else f":step={self.step}"
         return f"{self.kind}:{where}{tail}"

@@ -1,0 +1,263 @@
+"""``trainguard check``: pre-flight node checks, on their own or against a live job.
+
+- ``--nodes N`` (default 4): N simulated nodes on this machine (agents on 127.0.0.2…), as
+  ``trainguard run`` makes them.
+- ``--nodes N --bind HOST:PORT``: wait for N real agents (``trainguard agent --controller
+  HOST:PORT --token-file RUN_DIR/token …`` on each host), check them, and let them exit.
+- ``--controller HOST:PORT``: ask a job's controller to check its idle nodes now (nodes
+  that train are not checked).
+
+Prints progress while it runs, then the five node lists, a table of measurements per
+node with each check's time, and every failed check with its reason; ``--json`` prints
+the run as JSON instead. Results are in the store (``RUN_DIR/job.sqlite``, events
+``preflight_*``). Exit status: 0 when every node passed, 1 when any did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from trainguard.controller.api import JobConfig
+from trainguard.controller.server import Controller, pool_lists
+from trainguard.controller.store import Store
+from trainguard.faults.inject import parse_inject
+from trainguard.health.judge import CheckConfig
+
+POLL_S = 0.5
+
+
+def _check_config(args: argparse.Namespace) -> CheckConfig:
+    extra: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            extra = tomllib.loads(args.config.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(
+                f"--config {args.config}: {e}; give a TOML file of CheckConfig fields"
+            ) from None
+        known = {f.name for f in dataclasses.fields(CheckConfig)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+    if args.level is not None:
+        extra["level"] = args.level
+    try:
+        return CheckConfig(**extra)
+    except TypeError as e:
+        raise ValueError(f"--config {args.config}: a field has the wrong type ({e})") from None
+
+
+class Progress:
+    """Prints what changed in a run since the last call (stage, nodes that answered)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.t0 = quiet, time.time()
+        self.seen: set[tuple[str, str]] = set()
+        self.stage = ""
+
+    def show(self, run: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        t = time.time() - self.t0
+        for stage in ("node", "net"):
+            for n, times in run.get("answered", {}).get(stage, {}).items():
+                if (stage, n) not in self.seen:
+                    self.seen.add((stage, n))
+                    took = ", ".join(f"{k} {v:.2f}s" for k, v in times.items())
+                    self._say(t, f"  {n}: {took}")
+        if run["stage"] != self.stage:
+            self.stage = run["stage"]
+            what = {
+                "node": "host checks and GEMM",
+                "net": "collectives in pairing rounds, then simulated training",
+                "done": f"finished in {run.get('stage_s', {}).get('total', 0):.1f}s",
+            }
+            self._say(
+                t, f"pre-flight {run['run']} ({run['level']}): {self.stage}: {what[self.stage]}"
+            )
+
+    @staticmethod
+    def _say(t: float, text: str) -> None:
+        print(f"[{t:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+def _gib(x: Any) -> str:
+    return f"{x / (1 << 30):.1f}" if isinstance(x, int | float) else "-"
+
+
+def _num(x: Any, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, int | float) else "-"
+
+
+def print_result(run: dict[str, Any], lists: dict[str, list[str]], console: Console) -> None:
+    """The five lists, the per-node table and the failed checks with their reasons."""
+    for name in ("normal", "abnormal", "standby", "running", "all"):
+        console.print(f"{name:>9}: {', '.join(lists.get(name, [])) or '-'}")
+    t = Table(title=f"pre-flight {run['run']} ({run['level']}): {run['reason']}")
+    for col in ("node", "result", "load/core", "mem GiB", "disk GiB", "shm GiB", "leftover",
+                "skew s", "GEMM GFLOP/s", "AR busbw GB/s", "AG busbw GB/s", "latency µs",
+                "train step s", "check times s"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("node", "result", "check times s") else "right")
+    for n in run["nodes"]:
+        row = run["table"].get(n, {})
+        v = run["verdicts"].get(n, {"ok": False})
+        times = {**row.get("times_s", {}), **row.get("net_times_s", {})}
+        t.add_row(
+            n, "pass" if v["ok"] else "[red]FAIL[/red]", _num(row.get("load_per_core"), ".2f"),
+            _gib(row.get("memory_available")), _gib(row.get("disk_free")), _gib(row.get("shm_free")),
+            str(row.get("leftovers", "-")), _num(row.get("clock_skew_s"), "+.3f"),
+            _num(row.get("gemm_gflops"), ".1f"), _num(row.get("allreduce_busbw_gbps"), ".3f"),
+            _num(row.get("allgather_busbw_gbps"), ".3f"), _num(row.get("latency_us"), ".0f"),
+            _num(row.get("train_step_s"), ".4f"),
+            " ".join(f"{k}={val:.2f}" for k, val in times.items()),
+        )  # fmt: skip
+    console.print(t)
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in run.get("stage_s", {}).items())
+    console.print(f"stage times: {stages}")
+    for n in run["nodes"]:
+        for p in run["verdicts"].get(n, {}).get("problems", []):
+            console.print(f"[red]{escape(n)}[/red]: {escape(p)}")
+
+
+async def _local(
+    args: argparse.Namespace, ccfg: CheckConfig
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    from trainguard.cli.controller import parse_bind, read_or_create_token
+    from trainguard.cli.run import Cluster, _check_writable
+
+    run_dir = (
+        args.run_dir or Path("runs") / datetime.datetime.now().strftime("check-%Y%m%d-%H%M%S")
+    ).resolve()
+    _check_writable(run_dir)
+    injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
+    cfg = JobConfig(
+        script="(check)", run_dir=str(run_dir), nodes=args.nodes or 4, preflight=ccfg.level,
+        injects=injects, join_timeout_s=args.join_timeout,
+    )  # fmt: skip
+    host, port = parse_bind(args.bind) if args.bind else ("127.0.0.1", 0)
+    token_file = args.token_file or run_dir / "token"
+    token = read_or_create_token(token_file)
+    store = Store(run_dir)
+    controller = Controller(
+        cfg, token, store, host=host, port=port, check_only=True, check_cfg=ccfg
+    )
+    host, port = await controller.start()
+    (run_dir / "controller.json").write_text(
+        json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()})
+    )
+    cluster = None
+    if args.bind:
+        print(
+            f"trainguard: waiting for {cfg.nodes} agents: trainguard agent --controller {host}:{port} "
+            f"--token-file {token_file} --run-dir {run_dir} --node-id <name> --advertise-addr <address>",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    else:
+        cluster = Cluster(cfg, f"{host}:{port}", token_file)
+        cluster.start()
+    progress = Progress(args.json)
+    done = asyncio.ensure_future(controller.wait_done())
+    try:
+        while not done.done():
+            pf = controller.preflight
+            if pf is not None and pf.runs:
+                progress.show(pf.runs[max(pf.runs)].to_json())
+            await asyncio.wait([done], timeout=POLL_S)
+        state = done.result()
+        await asyncio.sleep(min(3.0, cfg.heartbeat_s * 4))  # agents fetch the shutdown
+    finally:
+        if cluster is not None:
+            await cluster.wait_exit(30.0)
+        await controller.close()
+    pf = controller.preflight
+    if pf is None or not pf.runs:
+        store.close()
+        raise ValueError(f"no pre-flight ran: {state.reason}; start the agents (see above)")
+    run = pf.runs[max(pf.runs)].to_json()
+    progress.show(run)
+    store.record("check_ended", {"phase": state.phase.value, "reason": state.reason})
+    store.close()
+    pools = {n: p.value for n, p in state.pools.items()}
+    return run, pool_lists(pools)
+
+
+def _request(
+    controller: str, token: str, method: str, path: str, body: dict[str, Any] | None
+) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://{controller}{path}", method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10.0) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read()).get("error", str(e))
+        except ValueError:
+            why = str(e)
+        raise ValueError(f"controller {controller}: {why}") from None
+    except (OSError, urllib.error.URLError) as e:
+        raise ValueError(
+            f"controller {controller} unreachable ({getattr(e, 'reason', e)}); pass the address "
+            "from RUN_DIR/controller.json"
+        ) from None
+
+
+def _remote(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    from trainguard.cli.status import _token
+
+    token = _token(args)
+    started = _request(args.controller, token, "POST", "/v1/check", {"level": args.level})
+    if started.get("not_checked") and not args.json:
+        print(f"not checked (training): {', '.join(started['not_checked'])}", file=sys.stderr)
+    progress = Progress(args.json)
+    deadline = time.monotonic() + 900.0
+    while True:
+        run = _request(args.controller, token, "GET", f"/v1/check?run={started['run']}", None)
+        progress.show(run)
+        if run["stage"] == "done":
+            return run, run["lists"]
+        if time.monotonic() > deadline:
+            raise ValueError(
+                f"pre-flight run {started['run']} did not finish in 900 s; see trainguard status"
+            )
+        time.sleep(POLL_S)
+
+
+def check_command(args: argparse.Namespace) -> int:
+    if args.controller and (args.nodes or args.bind):
+        raise ValueError("--controller checks a live job's nodes; leave out --nodes and --bind")
+    if args.nodes is not None and args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes}: check at least 1 node")
+    ccfg = _check_config(args)
+    if not args.json:
+        logging.basicConfig(
+            level=logging.WARNING, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
+        )
+    run, lists = _remote(args) if args.controller else asyncio.run(_local(args, ccfg))
+    if args.json:
+        print(json.dumps({**run, "lists": lists}, indent=1))
+    else:
+        print_result(run, lists, Console(width=200))
+    return 0 if all(v["ok"] for v in run["verdicts"].values()) and run["verdicts"] else 1
