@@ -49,7 +49,10 @@ reboot_delay_s = 1.0
 fault_stop_grace_s = 0.1
 stop_grace_s = 10.0
 recheck_s = 1.0
+preflight = "off"
 """
+# The same with pre-flight checks on (tests of the pre-flight itself).
+PREFLIGHT_CONFIG = FAST_CONFIG.replace('preflight = "off"', 'preflight = "quick"')
 
 
 def _ours(p: psutil.Process, tag: str) -> bool:

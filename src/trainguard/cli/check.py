@@ -9,7 +9,7 @@
 
 Prints progress while it runs, then the five node lists, a table of measurements per
 node with each check's time, and every failed check with its reason; ``--json`` prints
-the run as JSON instead. Results are in the store (``RUN_DIR/job.sqlite``, events
+the run as JSON on stdout instead (progress stays on stderr). Results are in the store (``RUN_DIR/job.sqlite``, events
 ``preflight_*``). Exit status: 0 when every node passed, 1 when any did not.
 """
 
@@ -69,14 +69,12 @@ def _check_config(args: argparse.Namespace) -> CheckConfig:
 class Progress:
     """Prints what changed in a run since the last call (stage, nodes that answered)."""
 
-    def __init__(self, quiet: bool) -> None:
-        self.quiet, self.t0 = quiet, time.time()
+    def __init__(self) -> None:
+        self.t0 = time.time()
         self.seen: set[tuple[str, str]] = set()
         self.stage = ""
 
     def show(self, run: dict[str, Any]) -> None:
-        if self.quiet:
-            return
         t = time.time() - self.t0
         for stage in ("node", "net"):
             for n, times in run.get("answered", {}).get(stage, {}).items():
@@ -174,7 +172,7 @@ async def _local(
     else:
         cluster = Cluster(cfg, f"{host}:{port}", token_file)
         cluster.start()
-    progress = Progress(args.json)
+    progress = Progress()
     done = asyncio.ensure_future(controller.wait_done())
     try:
         while not done.done():
@@ -200,6 +198,11 @@ async def _local(
     return run, pool_lists(pools)
 
 
+class InProgress(Exception):
+    def __init__(self, run: int) -> None:
+        self.run = run
+
+
 def _request(
     controller: str, token: str, method: str, path: str, body: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -213,10 +216,16 @@ def _request(
             return dict(json.loads(resp.read()))
     except urllib.error.HTTPError as e:
         try:
-            why = json.loads(e.read()).get("error", str(e))
+            body = json.loads(e.read())
         except ValueError:
-            why = str(e)
-        raise ValueError(f"controller {controller}: {why}") from None
+            body = {"error": str(e)}
+        if e.code == 409 and "run" in body:
+            raise InProgress(int(body["run"])) from None
+        if e.code == 401:
+            raise PermissionError(
+                f"controller {controller} refused the token; pass --token-file of this job"
+            ) from None
+        raise ValueError(f"controller {controller}: {body.get('error', e)}") from None
     except (OSError, urllib.error.URLError) as e:
         raise ValueError(
             f"controller {controller} unreachable ({getattr(e, 'reason', e)}); pass the address "
@@ -228,10 +237,14 @@ def _remote(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[st
     from trainguard.cli.status import _token
 
     token = _token(args)
-    started = _request(args.controller, token, "POST", "/v1/check", {"level": args.level})
+    try:
+        started = _request(args.controller, token, "POST", "/v1/check", {"level": args.level})
+    except InProgress as e:  # a re-check the controller started itself: follow that one
+        print(f"pre-flight run {e.run} is in progress; following it", file=sys.stderr)
+        started = {"run": e.run}
     if started.get("not_checked") and not args.json:
         print(f"not checked (training): {', '.join(started['not_checked'])}", file=sys.stderr)
-    progress = Progress(args.json)
+    progress = Progress()
     deadline = time.monotonic() + 900.0
     while True:
         run = _request(args.controller, token, "GET", f"/v1/check?run={started['run']}", None)

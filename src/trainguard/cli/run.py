@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -221,6 +222,8 @@ async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState, 
         loop.add_signal_handler(
             sig, lambda s=sig: (got_signal.append(s), controller.request_stop())
         )
+    info = {"addr": f"{host}:{port}", "pid": os.getpid()}
+    (Path(cfg.run_dir) / "controller.json").write_text(json.dumps(info))  # status, check
     log.info("controller on %s:%d; run dir %s", host, port, cfg.run_dir)
     cluster.start()
     done = asyncio.ensure_future(controller.wait_done())

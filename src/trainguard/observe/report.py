@@ -50,6 +50,11 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         {k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
         for r in attempts
     ]
+    pools = state.get("pools", {})
+    why: dict[str, str] = {}
+    for e in events:
+        if e["kind"] == "pool_changed" and e.get("to") in ("faulty", "retired"):
+            why[e["node"]] = e.get("reason", "")
     return {
         "run_dir": str(run_dir),
         "phase": state.get("phase"),
@@ -61,6 +66,21 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "productive_step_time_s": productive,
         "goodput": (productive / wall) if wall > 0 else 0.0,
         "faults": faults,
+        "preflight": [
+            {
+                "run": e["run"],
+                "level": e["level"],
+                "reason": e["reason"],
+                "nodes": e["nodes"],
+                "seconds": e.get("stage_s", {}).get("total"),
+                "failed": {n: v["problems"] for n, v in e["verdicts"].items() if not v["ok"]},
+            }
+            for e in events
+            if e["kind"] == "preflight_finished"
+        ],
+        "left_out": {
+            n: why.get(n, "") for n, p in sorted(pools.items()) if p in ("faulty", "retired")
+        },
         "recoveries": [
             {
                 "fault": r["fault"]["cause"],
@@ -96,6 +116,18 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         f"generation(s); wall time {rep['wall_time_s']:.1f}s; productive step time "
         f"{rep['productive_step_time_s']:.1f}s; goodput (ETTR) {rep['goodput']:.1%}"
     )
+    if rep["preflight"]:
+        pre = Table(title=f"pre-flight runs: {len(rep['preflight'])}")
+        for col in ("run", "level", "why", "nodes", "failed", "seconds"):
+            pre.add_column(col)
+        for r in rep["preflight"]:
+            pre.add_row(
+                str(r["run"]), r["level"], escape(r["reason"]), ", ".join(r["nodes"]),
+                ", ".join(r["failed"]) or "—", _fmt(r["seconds"]),
+            )  # fmt: skip
+        con.print(pre)
+    for node, reason in rep["left_out"].items():
+        con.print(f"left out: [red]{escape(node)}[/red]: {escape(reason)}")
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
         faults.add_column(col)
