@@ -6,6 +6,11 @@ optimizer, step, per-rank RNG states and data position, so a resumed run produce
 the same per-step losses as one without a fault. Rank 0 appends
 ``{"step": N, "loss": X, "time": T}`` per step to ``<run dir>/metrics.jsonl``.
 SIGTERM: every rank finishes its step, the job saves a checkpoint and exits 0.
+
+Each step is timed in sections (data, forward, backward, optimizer) and its collectives
+(DDP's gradient all-reduce, the loss all-reduce) as communication, for trainguard's
+straggler detection. A step whose loss is not finite is skipped on every rank (as AMP's
+GradScaler skips one), and reported.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import sys
@@ -52,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=1, help="snapshot every K steps (0 = never)")
     p.add_argument("--durable-every", type=int, default=10, help="persist every K-th step to disk")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument(
+        "--timing-ab",
+        type=int,
+        default=0,
+        metavar="BLOCK",
+        help="benchmark: section timing on and off in alternating blocks of BLOCK steps",
+    )
     p.add_argument(
         "--dp-ranks",
         type=int,
@@ -137,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(cfg)
     ddp = DDP(model) if distributed else model
+    if distributed:
+        trainguard.time_ddp(ddp)  # DDP's own all-reduce, timed as communication
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank stream (dropout)
     shards = args.dp_ranks or world
@@ -173,22 +188,36 @@ def main(argv: list[str] | None = None) -> int:
     ddp.train()
     step = start
     for step in range(start + 1, args.steps + 1):
+        rt.timing = args.timing_ab == 0 or (step - 1) // args.timing_ab % 2 == 0
+        drill = rt.drill(step)  # an injected data fault (tests, drills); None normally
         optim.zero_grad(set_to_none=True)
         loss_sum, tokens = 0.0, 0
         for i, shard in enumerate(samplers):  # one shard per rank unless the world shrank
-            x, y = shard.batch(step)
+            with rt.section("data"):
+                x, y = shard.batch(step)
+                if drill == "loss-spike":  # random bytes instead of text: a real loss spike
+                    g = torch.Generator().manual_seed(step)
+                    x = torch.randint(0, cfg.vocab_size, x.shape, generator=g)
+                    y = torch.randint(0, cfg.vocab_size, y.shape, generator=g)
             last_shard = i == len(samplers) - 1
             with contextlib.nullcontext() if last_shard or not distributed else ddp.no_sync():
-                loss = ddp(x, y)
-                (loss * scale if scale != 1.0 else loss).backward()
+                with rt.section("forward"):
+                    loss = ddp(x, y)
+                    if drill == "nan":
+                        loss = loss * float("nan")
+                with rt.section("backward"):
+                    (loss * scale if scale != 1.0 else loss).backward()
             loss_sum += loss.item()
             tokens += x.numel()
-        optim.step()
         # One small all-reduce: mean loss for the log, and whether any rank got SIGTERM.
         flags = torch.tensor([loss_sum, float(stop["requested"])], dtype=torch.float64)
         if distributed:
-            dist.all_reduce(flags)
+            with rt.collective():
+                dist.all_reduce(flags)
         mean_loss = flags[0].item() / shards
+        with rt.section("optimizer"):
+            if math.isfinite(mean_loss):  # every rank sees the same mean: all skip together
+                optim.step()
         train.step = step
         rt.step_end(step, loss=mean_loss, tokens=tokens)
         if metrics is not None:

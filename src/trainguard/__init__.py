@@ -19,8 +19,9 @@ from trainguard.runtime.core import Runtime, init, step_end
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.checkpointer import Checkpointer
+    from trainguard.runtime.ddp import time_ddp
 
-__all__ = ["Checkpointer", "Runtime", "init", "step_end"]
+__all__ = ["Checkpointer", "Runtime", "init", "step_end", "time_ddp"]
 __version__ = "0.1.0"
 
 
@@ -30,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from trainguard.checkpoint.checkpointer import Checkpointer
 
         return Checkpointer
+    if name == "time_ddp":
+        from trainguard.runtime.ddp import time_ddp
+
+        return time_ddp
     raise AttributeError(name)

@@ -575,6 +575,8 @@ class Agent:
             kind = it.get("t")
             if kind == "hb":
                 w.last_hb_mono = now
+                if "coll" in it:
+                    w.coll = (int(it["coll"][0]), int(it["coll"][1]))
             elif kind == "alive":
                 w.last_hb_mono = w.last_progress_mono = now
             elif kind == "step":
@@ -585,7 +587,7 @@ class Agent:
                 w.durations.append(float(it["dur"]))
                 with self._lock:
                     self._steps.setdefault((self.generation, w.rank), []).append(
-                        {k: it[k] for k in ("step", "t_end", "dur", "loss", "tokens")}
+                        {k: it.get(k) for k in ("step", "t_end", "dur", "loss", "tokens", "sec")}
                     )
             elif kind == "event":
                 ev = {k: v for k, v in it.items() if k not in ("t", "rank", "pid", "gen")}

@@ -50,6 +50,7 @@ class Worker:
     last_progress_mono: float | None = None
     last_progress_at: float | None = None
     last_hb_mono: float | None = None
+    coll: tuple[int, int] | None = None  # collectives (issued, done), from its heartbeats
     durations: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64)
     )
@@ -69,6 +70,7 @@ class Worker:
             "heartbeat_age_s": None if self.last_hb_mono is None else now_mono - self.last_hb_mono,
             "exited_at": self.exited_at,
             "last_progress_at": self.last_progress_at,
+            "coll": list(self.coll) if self.coll is not None else None,
         }
 
     def read_error(self) -> str | None:

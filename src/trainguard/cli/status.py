@@ -116,4 +116,10 @@ def status_command(args: argparse.Namespace) -> int:
             )
             if n.get("health", "ok") != "ok":
                 print(f"  {'':10s} host checks: {'; '.join(n['health'])}")
+            if n.get("preflight") not in (None, "ok"):
+                print(f"  {'':10s} pre-flight: {'; '.join(n['preflight'])}")
+    for a in st.get("alerts", []):
+        where = f" rank {a['rank']} on {a.get('node')}" if "rank" in a else ""
+        what = {k: v for k, v in a.items() if k not in ("kind", "rank", "node", "generation")}
+        print(f"  alert {a['kind']}{where}: {json.dumps(what, default=str)[:160]}")
     return 0

@@ -108,6 +108,13 @@ class JobConfig:
     # Pre-flight checks (health/): a node joins the pool, and a quarantined node returns to
     # standby, only after it passes them. "quick" (about 30 s for 4 nodes here), "full", "off".
     preflight: str = "quick"
+    # Straggler detection (controller/analysis.py): windows of this many steps; an alert after
+    # this many flagged windows in a row. "alert" only, or "replace": quarantine the
+    # straggler's node and replace it with a standby at the next checkpoint boundary.
+    straggler_window_steps: int = 10
+    straggler_persist_windows: int = 3
+    straggler_action: str = "alert"
+    alert_webhook: str | None = None  # POST each alert there as JSON (5 s timeout)
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 
     def __post_init__(self) -> None:
@@ -124,6 +131,14 @@ class JobConfig:
         need(
             self.preflight in ("quick", "full", "off"),
             f"preflight={self.preflight!r}: use quick, full or off",
+        )
+        need(
+            self.straggler_action in ("alert", "replace"),
+            f"straggler_action={self.straggler_action!r}: use alert or replace",
+        )
+        need(
+            self.straggler_window_steps >= 2 and self.straggler_persist_windows >= 1,
+            "straggler_window_steps must be >= 2 and straggler_persist_windows >= 1",
         )
         need(self.replica_copies >= 1, f"replica_copies={self.replica_copies}: must be >= 1")
         need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
@@ -187,6 +202,7 @@ class WorkerObs:
     heartbeat_age_s: float | None = None  # since the runtime's last heartbeat
     exited_at: float | None = None  # wall clock, when the agent saw the exit
     last_progress_at: float | None = None  # wall clock of the last step advance
+    coll: list[int] | None = None  # collectives [issued, done] (runtime timing; hang localization)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 from typing import Any
 
+from trainguard.controller.analysis import localize_hang
 from trainguard.controller.api import Fault, JobConfig, NodeObs, Phase, Pool, Recovery
 
 Event = tuple[str, dict[str, Any]]
@@ -50,6 +51,8 @@ class JobState:
         None  # generation that wrote restore_step (the same copy on every rank)
     )
     growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
+    # node → why: replace it by a standby at the next checkpoint boundary (a straggler)
+    evict: dict[str, str] = dataclasses.field(default_factory=dict)
     node_faults: dict[str, int] = dataclasses.field(default_factory=dict)  # times marked faulty
     recheck_at: dict[str, float] = dataclasses.field(default_factory=dict)  # faulty → next check
     faulty_since: dict[str, float] = dataclasses.field(
@@ -323,23 +326,14 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         )
     hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
     if hung:
-        # Culprit: a rank whose heartbeat stopped (frozen process), else the rank furthest behind.
         workers = [
             (n, w)
             for n in s.assignment
             if n in obs and obs[n].generation == gen
             for w in obs[n].workers.values()
         ]
-        stale = [(n, w) for n, w in workers if (w.heartbeat_age_s or 0) > 2 * cfg.heartbeat_s + 1]
-        pool = stale or workers
-        n, w = min(
-            pool,
-            key=lambda nw: (
-                nw[1].step if nw[1].step is not None else -1,
-                -(nw[1].progress_age_s or 0),
-            ),
-        )
-        how = "heartbeat stopped" if stale else "furthest behind"
+        n, w, how, waiting = localize_hang(workers, 2 * cfg.heartbeat_s + 1)
+        victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
         return Fault(
             cause="hang",
             generation=gen,
@@ -348,7 +342,7 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             step=w.step,
             t_fault=w.last_progress_at or now,
             t_detected=now,
-            message=f"no progress; rank {w.rank} ({how}) at step {w.step}",
+            message=f"no progress; rank {w.rank} on {n} {how}, at step {w.step}{victims}",
         )
     if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.rendezvous_timeout_s:
         return Fault(
@@ -445,6 +439,12 @@ def decide(
             and all(w.state in ("running", "succeeded") for w in workers)
         ):
             _goto(s, Phase.RUNNING, now, events, f"all {world_of(s, cfg)} ranks running")
+        elif s.phase == Phase.RUNNING and s.evict:
+            s.growing = True  # a planned stop: workers save, no restart budget spent
+            nodes = ", ".join(sorted(s.evict))
+            _goto(
+                s, Phase.STOPPING, now, events, f"replace {nodes}: {next(iter(s.evict.values()))}"
+            )
         elif s.phase == Phase.RUNNING and _can_grow(s, obs, now, cfg):
             # Elastic: nodes are back. Stop at a checkpoint boundary (workers get SIGTERM and
             # save a durable step) and restart on the larger world; not a fault, no budget.
@@ -469,7 +469,9 @@ def decide(
                 s.recovery.t_cleaned = max([o.cleaned_at or now for o in acks], default=now)
             _goto(s, Phase.CLEANING, now, events, "every live node stopped its workers")
 
-    if s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
+    if s.phase == Phase.CLEANING and s.growing and s.evict and not s.stop_requested:
+        _evict_and_restart(s, obs, now, cfg, events, durable)
+    elif s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
         _grow_and_restart(s, obs, now, cfg, events, durable)
     elif s.phase == Phase.CLEANING:
         if s.recovery is None or s.stop_requested:  # a stop requested mid-recovery ends the job
@@ -742,6 +744,27 @@ def _grow_and_restart(
         )
     )
     _start_generation(s, obs, cfg, now, events, durable, f"grow to {len(s.assignment)} nodes")
+
+
+def _evict_and_restart(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> None:
+    """Quarantine the nodes in ``s.evict``; each standby takes an evicted node's rank."""
+    s.growing = False
+    spare = _healthy_standby(s, obs, now, cfg)
+    for node, why in sorted(s.evict.items()):
+        if node not in s.assignment or not spare:
+            continue
+        rank = s.assignment.pop(node)
+        mark_faulty(s, node, now, cfg, events, why)
+        s.assignment[spare.pop(0)] = rank
+    s.evict = {}
+    _start_generation(s, obs, cfg, now, events, durable, "replaced a straggler node")
 
 
 def _start_generation(

@@ -8,6 +8,8 @@ Endpoints (all require ``Authorization: Bearer <job token>``):
 - ``GET  /v1/status``   job phase, pools (the seed's five lists), generation, recoveries, and
                         each node's last report (address, age, generation, workers' steps)
 - ``POST /v1/stop``     request a clean stop of the job
+- ``GET  /metrics``     Prometheus metrics (steps, step/compute/communication seconds and
+                        straggler score per rank, alerts, phase, pools)
 - ``POST /v1/check``    start a pre-flight run on the idle nodes (``{"level": "quick"|"full"}``);
                         409 while one runs. ``GET /v1/check?run=N``: its progress and verdicts
 """
@@ -27,8 +29,10 @@ from typing import Any
 from aiohttp import web
 
 from trainguard.checkpoint import storage
+from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
+from trainguard.controller.monitor import Monitor
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
@@ -104,6 +108,13 @@ class Controller:
         self._last_state = ""
         self._first_seen: dict[str, float] = {}
         self._closing = False
+        self.monitor = Monitor(
+            DetectConfig(
+                window_steps=cfg.straggler_window_steps,
+                persist_windows=cfg.straggler_persist_windows,
+            ),
+            cfg.alert_webhook,
+        )
         self.preflight: Preflight | None = None
         if check_only or cfg.preflight != "off":
             level = cfg.preflight if cfg.preflight != "off" else "quick"
@@ -149,6 +160,7 @@ class Controller:
                 web.post("/v1/stop", self._stop),
                 web.post("/v1/check", self._check_start),
                 web.get("/v1/check", self._check_get),
+                web.get("/metrics", self._metrics),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None)
@@ -246,6 +258,7 @@ class Controller:
             }
             for n, o in sorted(self.obs.items())
         }
+        out["alerts"] = list(self.monitor.alerts)[-10:]
         pf = self.preflight
         out["preflight"] = (
             None
@@ -255,6 +268,12 @@ class Controller:
             else self.store.get("preflight_last")
         )
         return web.json_response(out)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        s = self.state
+        pools = {n: p.value for n, p in s.pools.items()}
+        body = self.monitor.metrics(s.phase.value, s.generation, s.restarts, pools)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _check_start(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
@@ -337,8 +356,37 @@ class Controller:
             if kind in ("ckpt_load_start", "ckpt_load_end"):
                 self._mark(kind, int(ev.get("generation", -1)), int(ev["rank"]), float(ts or now))
         for batch in body.get("steps", []):
-            self.store.add_steps(int(batch["generation"]), int(batch["rank"]), batch["items"])
-            self._on_steps(int(batch["generation"]), int(batch["rank"]), batch["items"])
+            gen, rank, items = int(batch["generation"]), int(batch["rank"]), batch["items"]
+            self.store.add_steps(gen, rank, items)
+            self._on_steps(gen, rank, items)
+            if gen == self.state.generation and items:
+                world = world_of(self.state, self.cfg)
+                for kind, data in self.monitor.on_steps(gen, world, rank, items):
+                    self._on_alert(kind, data)
+
+    def _node_of(self, rank: int) -> str | None:
+        node_rank = rank // self.cfg.nproc_per_node
+        return next((n for n, r in self.state.assignment.items() if r == node_rank), None)
+
+    def _on_alert(self, kind: str, data: dict[str, Any]) -> None:
+        """Record an alert; under ``straggler_action = "replace"`` have a persistent
+        straggler's node replaced by a standby at the next checkpoint boundary."""
+        if "rank" in data:
+            data = {**data, "node": self._node_of(int(data["rank"]))}
+        self.store.record(kind, data)
+        self.monitor.alert(kind, data)
+        node = data.get("node")
+        if kind != "straggler" or self.cfg.straggler_action != "replace" or node is None:
+            return
+        now = time.time()
+        spare = [
+            n for n, p in self.state.pools.items() if p == Pool.STANDBY and self._alive(n, now)
+        ]
+        if not spare:
+            self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
+            return
+        why = f"straggler: rank {data['rank']} computes {data['score']}x the median"
+        self.state.evict[str(node)] = why
 
     def _mark(self, kind: str, gen: int, rank: int, ts: float) -> None:
         rec = self.state.recovery
@@ -424,6 +472,9 @@ class Controller:
         new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
         for kind, data in events:
             self.store.record(kind, data)
+            if kind == "fault" and data["cause"] == "hang":
+                self.monitor.alert("hang_localized", data)
+                self.store.record("hang_localized", data)
             if kind == "fault_refined":
                 log.info(
                     "[gen %s] fault re-attributed: %s",

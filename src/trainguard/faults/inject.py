@@ -8,7 +8,13 @@ Kinds (each fires once per job, not again after the restart it causes):
                               its heartbeat thread stay alive
 - ``node-down:node=N:step=S`` SIGKILL node N's agent and all its workers (power loss)
                               when that node's first rank ends step S
-- ``slow:rank=R:factor=F``    rank R's steps take F times as long (sleep injection)
+- ``slow:rank=R:factor=F[:step=S]`` rank R's steps take F times as long (sleep injection),
+                              from step S on (default: from its process's second step)
+- ``hang-collective:rank=R:step=S`` rank R stops inside its first collective of step S,
+                              before issuing it; the other ranks wait in that collective
+- ``loss-spike:step=S``       every rank trains step S on random tokens (the script applies
+                              it: ``Runtime.drill``); the loss jumps
+- ``nan:step=S``              step S's loss is NaN on every rank (the script skips that update)
 - ``gemm-wrong:node=N``       node N's pre-flight GEMM returns a wrong result (one element
                               off by one): silent data corruption for the checks to catch
 """
@@ -26,7 +32,11 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "node-down": ("node", "step"),
     "slow": ("rank", "factor"),
     "gemm-wrong": ("node",),
+    "hang-collective": ("rank", "step"),
+    "loss-spike": ("step",),
+    "nan": ("step",),
 }
+_OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step",)}
 _EXAMPLE = "kill:rank=1:step=20"
 
 
@@ -52,8 +62,12 @@ class InjectSpec:
     def describe(self) -> str:
         if self.kind == "gemm-wrong":
             return f"gemm-wrong:node={self.node}"
+        if self.kind in ("loss-spike", "nan"):
+            return f"{self.kind}:step={self.step}"
         where = f"node={self.node}" if self.kind == "node-down" else f"rank={self.rank}"
         tail = f":factor={self.factor}" if self.kind == "slow" else f":step={self.step}"
+        if self.kind == "slow" and self.step is not None:
+            tail += f":step={self.step}"
         return f"{self.kind}:{where}{tail}"
 
 
@@ -72,7 +86,7 @@ def parse_inject(text: str, index: int) -> InjectSpec:
             raise ValueError(f"--inject {text!r}: {part!r} is not key=value (e.g. {_EXAMPLE})")
         fields[key] = value
     missing = [k for k in _REQUIRED[kind] if k not in fields]
-    extra = [k for k in fields if k not in _REQUIRED[kind]]
+    extra = [k for k in fields if k not in _REQUIRED[kind] + _OPTIONAL.get(kind, ())]
     if missing or extra:
         want = ":".join(f"{k}=…" for k in _REQUIRED[kind])
         raise ValueError(f"--inject {text!r}: {kind} takes {kind}:{want}")

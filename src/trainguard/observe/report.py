@@ -50,6 +50,28 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         {k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
         for r in attempts
     ]
+    stacks: dict[tuple[int, int], str] = {}  # (generation, rank) → py-spy stack
+    for e in events:
+        if e["kind"] in ("stacks", "hang_suspected"):
+            for r, text in (e.get("stacks") or {}).items():
+                stacks.setdefault((int(e.get("generation") or 0), int(r)), text)
+    hangs = [
+        {
+            "generation": f["generation"],
+            "rank": f["rank"],
+            "node": f["node_id"],
+            "step": f["step"],
+            "message": f["message"],
+            "stack": stacks.get((f["generation"], f["rank"]), "(no stack captured)"),
+        }
+        for f in faults
+        if f["cause"] == "hang" and f["rank"] is not None
+    ]
+    alerts = [
+        {k: v for k, v in e.items() if k != "ts"}
+        for e in events
+        if e["kind"] in ("straggler", "loss_spike", "loss_nonfinite", "throughput_drop")
+    ]
     pools = state.get("pools", {})
     why: dict[str, str] = {}
     for e in events:
@@ -81,6 +103,8 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "left_out": {
             n: why.get(n, "") for n, p in sorted(pools.items()) if p in ("faulty", "retired")
         },
+        "hangs": hangs,
+        "alerts": alerts,
         "recoveries": [
             {
                 "fault": r["fault"]["cause"],
@@ -141,6 +165,29 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
             escape((f["message"] or "").splitlines()[0][:100]),
         )
     con.print(faults)
+    for h in rep["hangs"]:
+        con.print(f"hang in generation {h['generation']}: {escape(h['message'])}")
+        con.print(
+            f"  stack of rank {h['rank']} ({escape(str(h['node']))}), the rank that held the others:"
+        )
+        for line in h["stack"].splitlines()[:25]:
+            con.print(f"    {escape(line)}")
+    if rep["alerts"]:
+        al = Table(title=f"alerts: {len(rep['alerts'])}")
+        for col in ("kind", "gen", "step", "rank", "node", "detail"):
+            al.add_column(col)
+        for a in rep["alerts"]:
+            step = a.get("step", a.get("steps"))
+            detail = {
+                k: v
+                for k, v in a.items()
+                if k not in ("kind", "generation", "step", "steps", "rank", "node")
+            }
+            al.add_row(
+                a["kind"], str(a.get("generation", "")), str(step if step is not None else ""),
+                str(a.get("rank", "")), str(a.get("node", "")), escape(json.dumps(detail)[:90]),
+            )  # fmt: skip
+        con.print(al)
     rec = Table(title=f"recoveries: {len(rep['recoveries'])} (seconds per phase)")
     for col in ("gen", "restore", "from", "lost", *PHASES):
         rec.add_column(col, justify="right")

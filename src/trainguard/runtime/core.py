@@ -7,6 +7,11 @@ Usage in a training script::
         ...                               # forward, backward, optimizer
         trainguard.step_end(step, loss=loss.item(), tokens=n)
 
+Optional timing of named sections (``with rt.section("forward"):``) and of collectives
+(``with rt.collective():``, or ``time_ddp(ddp)`` for DDP's gradient all-reduce) rides on
+each step record: the controller tells a slow rank (long compute) from the ranks that
+wait for it (long communication). Cost: two ``perf_counter`` calls per section.
+
 Outside ``trainguard run`` (plain python or torchrun) every call is a cheap no-op
 apart from step timing. Under it, a daemon thread named ``trainguard-reporter``
 sends a heartbeat every ``TRAINGUARD_HEARTBEAT_S`` seconds and forwards step
@@ -24,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from trainguard.faults.inject import InjectSpec, loads
@@ -68,6 +74,13 @@ class Runtime:
         self._agent: tuple[str, int] | None = None
         self._token = b""
         self._thread: threading.Thread | None = None
+        self.timing = True  # sections and collectives timed (False: skipped, for A/B)
+        self._sections: dict[str, float] = {}  # this step's seconds per section
+        self._sec_lock = threading.Lock()  # collectives complete on gloo's threads
+        # Collectives issued and completed by this rank (hang localization: the rank that did
+        # not issue the collective the others wait in is the one holding them).
+        self.coll_issued = 0
+        self.coll_done = 0
         addr = env.get(api.ENV_AGENT_ADDR)
         if addr:
             host, _, port = addr.rpartition(":")
@@ -87,7 +100,60 @@ class Runtime:
     def _targets_me(self, spec: InjectSpec) -> bool:
         if spec.kind == "node-down":
             return spec.node == self.node_rank and self.local_rank == 0
+        if spec.kind in ("loss-spike", "nan"):
+            return True  # the data of every rank
         return spec.rank == self.rank
+
+    # ---------------------------------------------------------------- timing
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Time a named part of the step (``data``, ``forward``, ``backward``, ``optimizer``…):
+        its seconds are added to this step's record. Nested sections each count in full."""
+        if not self.timing:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_time(name, time.perf_counter() - t0)
+
+    def add_time(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to this step's section ``name`` (thread-safe)."""
+        with self._sec_lock:
+            self._sections[name] = self._sections.get(name, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Wrap a blocking collective (e.g. ``dist.all_reduce``): counts it (issued, done) and
+        adds its time, waiting for peers included, to the ``communication`` section."""
+        t0 = self.collective_issue()
+        try:
+            yield
+        finally:
+            self.collective_done(t0)
+
+    def collective_issue(self) -> float:
+        """A collective is about to be issued; returns its start time for ``collective_done``.
+        (An injected ``hang-collective`` stops this rank here, before it issues.)"""
+        for spec in self._injects:
+            if spec.kind == "hang-collective" and spec.step == (self._last_step or 0) + 1:
+                self._maybe_fire(spec, spec.step, 0.0)
+        self.coll_issued += 1
+        return time.perf_counter()
+
+    def collective_done(self, t0: float) -> None:
+        self.coll_done += 1
+        if self.timing:
+            self.add_time("communication", time.perf_counter() - t0)
+
+    def drill(self, step: int) -> str | None:
+        """The data fault injected at ``step`` (``loss-spike`` or ``nan``), for the script to
+        apply to that step's real data or loss; None almost always."""
+        for spec in self._injects:
+            if spec.kind in ("loss-spike", "nan") and spec.step == step:
+                return spec.kind
+        return None
 
     # ---------------------------------------------------------------- training thread
     def step_end(self, step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
@@ -101,6 +167,8 @@ class Runtime:
         self._last_end = now
         self._last_step = step
         self._steps_ended += 1
+        with self._sec_lock:
+            sections, self._sections = self._sections, {}
         if self._agent is not None:
             self._queue.put(
                 {
@@ -110,6 +178,7 @@ class Runtime:
                     "dur": duration,
                     "loss": loss,
                     "tokens": tokens,
+                    "sec": sections,
                 }
             )
         for spec in self._injects:
@@ -135,7 +204,7 @@ class Runtime:
         if spec.kind == "slow":
             # Sleep so that this step takes `factor` times its compute time (from the second
             # step of the process on: the first one's duration includes start-up).
-            if self._steps_ended < 2:
+            if self._steps_ended < 2 or (spec.step is not None and step < spec.step):
                 return
             compute = max(0.0, duration - self._slow_debt_s)
             self._slow_debt_s = compute * (spec.factor - 1.0)
@@ -160,10 +229,10 @@ class Runtime:
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "exit":
             os._exit(spec.code)
-        elif spec.kind in ("hang", "node-down"):
+        elif spec.kind in ("hang", "node-down", "hang-collective"):
             # Stop making progress; the reporter thread keeps heartbeating. For node-down
             # the agent SIGKILLs this process; the deadline bounds the wait regardless.
-            deadline = time.monotonic() + (3600.0 if spec.kind == "hang" else 60.0)
+            deadline = time.monotonic() + (60.0 if spec.kind == "node-down" else 3600.0)
             while time.monotonic() < deadline:
                 time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -181,7 +250,14 @@ class Runtime:
             except queue.Empty:
                 pass
             if time.monotonic() >= next_beat:
-                batch.append({"t": "hb", "ts": time.time(), "step": self._last_step})
+                batch.append(
+                    {
+                        "t": "hb",
+                        "ts": time.time(),
+                        "step": self._last_step,
+                        "coll": [self.coll_issued, self.coll_done],
+                    }
+                )
                 next_beat = time.monotonic() + self._heartbeat_s
             # Agent gone: heartbeats resume if it returns; nothing is lost here.
             with contextlib.suppress(OSError):

@@ -1,0 +1,276 @@
+"""Straggler and anomaly detection on the per-step records the ranks report (pure logic:
+records in, events out; the controller's executor feeds it and records the events).
+
+Straggler (seed, section 六: one slow GPU drags the whole job). Per window of
+``window_steps`` steps and per rank, the median of its *compute* time: step time minus
+the time spent in collectives (``communication``). In a synchronous job every rank's step
+takes as long as the slowest one's, so step times alone cannot name the culprit; the
+culprit computes longer, its victims wait longer. A window flags a rank when both
+
+- the seed's rule holds: its compute time exceeds the mean by ``sigma`` (2) standard
+  deviations, mean and deviation taken over the *other* ranks (with the suspect included,
+  one outlier among n ranks can never exceed (n−1)/√n deviations — 2.47 for 8 — so the
+  plain rule masks the very straggler it looks for), and
+- the robust median-relative score, compute / median over ranks, is at least
+  ``min_ratio`` (1.1: slowdowns of 10% and more; run-to-run noise of the medians here is a
+  few percent),
+
+and an alert needs ``persist_windows`` (3) flagged windows in a row (persistence, so a
+one-off hiccup — a GC pause, a checkpoint flush — is not a straggler). The alert clears
+after as many clean windows in a row; only then can the rank alert again.
+
+Anomalies on rank 0's series (the example reports the mean loss over ranks):
+
+- non-finite loss (NaN/Inf): at once;
+- loss spike: modified z-score M = 0.6745 (x − median) / MAD over the previous
+  ``loss_window`` finite losses (Iglewicz & Hoaglin, "How to Detect and Handle Outliers",
+  1993), alert when M > ``loss_z``. Their 3.5 is for roughly normal data; small-batch
+  training losses are heavy-tailed, and 1000 clean steps of the example reach M ≈ 5, so
+  the default is 8;
+- throughput drop: tokens/s, median of the last ``tp_recent`` steps against the median of
+  the ``tp_baseline`` steps before them (a two-window test for a shift in the median, the
+  robust form of the change detectors in Basseville & Nikiforov, "Detection of Abrupt
+  Changes", 1993); alert when it fell by more than ``tp_drop`` (40%: with 8 ranks sharing
+  2 cores here, clean runs swing by up to 35% between 10-step windows), re-armed when back
+  within half that.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+Event = tuple[str, dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DetectConfig:
+    window_steps: int = 10
+    persist_windows: int = 3
+    sigma: float = 2.0
+    min_ratio: float = 1.1
+    loss_window: int = 50
+    loss_z: float = 8.0
+    tp_recent: int = 20
+    tp_baseline: int = 100
+    tp_drop: float = 0.4
+
+
+def _compute_s(it: dict[str, Any]) -> float:
+    comm = float((it.get("sec") or {}).get("communication", 0.0))
+    return max(0.0, float(it["dur"]) - comm)
+
+
+class StragglerDetector:
+    """Windows of per-rank compute time for one generation at a time."""
+
+    def __init__(self, cfg: DetectConfig) -> None:
+        self.cfg = cfg
+        self.generation = -1
+        self.world = 0
+        self._first: dict[int, int] = {}  # rank → its first step in this generation (skipped)
+        self._steps: dict[int, dict[int, tuple[float, float]]] = {}  # rank → step → (compute, comm)
+        self._next_window: int | None = None
+        self.streak: dict[int, int] = collections.defaultdict(int)
+        self.clean: dict[int, int] = collections.defaultdict(int)  # clean windows in a row
+        self.alerted: set[int] = set()
+        self.scores: dict[int, float] = {}  # rank → compute / median, newest window
+        self.windows_done = 0
+
+    def add(
+        self, generation: int, world: int, rank: int, items: list[dict[str, Any]]
+    ) -> list[Event]:
+        """Take one rank's step records; returns the events of every window now complete."""
+        if generation != self.generation:
+            if generation < self.generation:
+                return []
+            self.__init__(self.cfg)  # type: ignore[misc]
+            self.generation = generation
+        self.world = world
+        for it in items:
+            step = int(it["step"])
+            first = self._first.setdefault(rank, step)
+            if step == first:
+                continue  # includes process start and restore
+            comm = float((it.get("sec") or {}).get("communication", 0.0))
+            self._steps.setdefault(rank, {})[step] = (_compute_s(it), comm)
+        return self._evaluate()
+
+    def _evaluate(self) -> list[Event]:
+        out: list[Event] = []
+        w = self.cfg.window_steps
+        if len(self._steps) < self.world or self.world < 3:
+            return out  # mean + 2σ needs at least 3 ranks
+        if self._next_window is None:
+            self._next_window = max(self._first.values()) // w + 1
+        while True:
+            k = self._next_window
+            lo, hi = k * w + 1, (k + 1) * w
+            if any(max(s, default=0) < hi for s in self._steps.values()):
+                return out
+            comp, comm = {}, {}
+            for r, steps in self._steps.items():
+                got = [steps[i] for i in range(lo, hi + 1) if i in steps]
+                if got:
+                    comp[r] = statistics.median(c for c, _ in got)
+                    comm[r] = statistics.median(m for _, m in got)
+                for i in range(lo, hi + 1):
+                    steps.pop(i, None)
+            out += self._judge(comp, comm, lo, hi)
+            self._next_window = k + 1
+            self.windows_done += 1
+
+    def _judge(
+        self, comp: dict[int, float], comm: dict[int, float], lo: int, hi: int
+    ) -> list[Event]:
+        if len(comp) < 3:
+            return []
+        med = statistics.median(comp.values())
+        out: list[Event] = []
+        for r, c in comp.items():
+            others = [v for x, v in comp.items() if x != r]
+            mean, sd = statistics.fmean(others), statistics.pstdev(others)
+            ratio = c / med if med > 0 else 1.0
+            z = (c - mean) / sd if sd > 0 else (math.inf if c > mean else 0.0)
+            self.scores[r] = round(ratio, 3)
+            if ratio >= self.cfg.min_ratio and z > self.cfg.sigma:
+                self.streak[r] += 1
+                self.clean[r] = 0
+            else:
+                self.streak[r] = 0
+                self.clean[r] += 1
+                if self.clean[r] >= self.cfg.persist_windows:
+                    self.alerted.discard(r)
+            if self.streak[r] >= self.cfg.persist_windows and r not in self.alerted:
+                self.alerted.add(r)
+                waiting = sorted((x for x in comm if x != r), key=lambda x: -comm[x])
+                out.append(
+                    (
+                        "straggler",
+                        {
+                            "generation": self.generation,
+                            "rank": r,
+                            "score": round(ratio, 3),
+                            "z": round(z, 2) if math.isfinite(z) else None,
+                            "compute_s": round(c, 5),
+                            "median_compute_s": round(med, 5),
+                            "windows": self.streak[r],
+                            "steps": [lo - (self.streak[r] - 1) * self.cfg.window_steps, hi],
+                            "waiting_s": {x: round(comm[x], 5) for x in waiting},
+                            "own_wait_s": round(comm.get(r, 0.0), 5),
+                        },
+                    )
+                )
+        return out
+
+
+class AnomalyDetector:
+    """Loss spikes, non-finite losses and throughput drops on one rank's series."""
+
+    def __init__(self, cfg: DetectConfig) -> None:
+        self.cfg = cfg
+        self.losses: collections.deque[float] = collections.deque(maxlen=cfg.loss_window)
+        self.tps: collections.deque[float] = collections.deque(
+            maxlen=cfg.tp_recent + cfg.tp_baseline
+        )
+        self.dropped = False
+        self.generation = -1
+
+    def add(self, generation: int, items: list[dict[str, Any]]) -> list[Event]:
+        out: list[Event] = []
+        if generation != self.generation:
+            self.generation = generation
+            self.tps.clear()  # a restart's first steps are slower: a new baseline
+            first = True
+        else:
+            first = False
+        for it in items:
+            step, loss = int(it["step"]), it.get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                out.append(
+                    ("loss_nonfinite", {"generation": generation, "step": step, "loss": str(loss)})
+                )
+            elif loss is not None:
+                out += self._spike(generation, step, float(loss))
+            if not first and it.get("tokens") and float(it["dur"]) > 0:
+                self.tps.append(float(it["tokens"]) / float(it["dur"]))
+                out += self._throughput(generation, step)
+            first = False
+        return out
+
+    def _spike(self, generation: int, step: int, loss: float) -> list[Event]:
+        hist = self.losses
+        if len(hist) >= 20:
+            med = statistics.median(hist)
+            mad = statistics.median(abs(x - med) for x in hist)
+            m = 0.6745 * (loss - med) / mad if mad > 0 else 0.0
+            if m > self.cfg.loss_z:
+                return [("loss_spike", {"generation": generation, "step": step, "loss": round(loss, 5),
+                                        "median": round(med, 5), "mad": round(mad, 5), "z": round(m, 1)})]  # fmt: skip
+        hist.append(loss)
+        return []
+
+    def _throughput(self, generation: int, step: int) -> list[Event]:
+        c = self.cfg
+        if len(self.tps) < c.tp_recent + c.tp_baseline // 2:
+            return []
+        series = list(self.tps)
+        recent = statistics.median(series[-c.tp_recent :])
+        base = statistics.median(series[: -c.tp_recent])
+        if not self.dropped and recent < (1 - c.tp_drop) * base:
+            self.dropped = True
+            return [("throughput_drop", {"generation": generation, "step": step,
+                                         "tokens_per_s": round(recent, 1), "baseline": round(base, 1),
+                                         "drop": round(1 - recent / base, 3)})]  # fmt: skip
+        if self.dropped and recent >= (1 - c.tp_drop / 2) * base:
+            self.dropped = False
+        return []
+
+
+def localize_hang(
+    workers: list[tuple[str, Any]], stale_s: float
+) -> tuple[str, Any, str, dict[int, int]]:
+    """Which rank holds a hung job: ``workers`` are (node, WorkerObs) of the generation.
+
+    1. A rank whose heartbeat stopped (``heartbeat_age_s`` > ``stale_s``): its process froze.
+    2. Collective sequence numbers (``coll`` = [issued, done], from the runtime): the ranks
+       that issued collective #k and wait for it are victims; a rank that has not issued #k
+       (issued < k) holds them. If all issued the same count, a rank that is not waiting
+       (done == issued) while others are.
+    3. Else the rank furthest behind in steps.
+
+    Returns (node, worker, how, waiting) with ``waiting`` = rank → the collective number
+    it waits in, for every rank with an outstanding collective.
+    """
+    waiting = {
+        w.rank: int(w.coll[0]) for _, w in workers if w.coll is not None and w.coll[0] > w.coll[1]
+    }
+    stale = [(n, w) for n, w in workers if (w.heartbeat_age_s or 0) > stale_s]
+    if stale:
+        n, w = min(stale, key=lambda nw: nw[1].rank)
+        return n, w, "its heartbeat stopped", waiting
+    counted = [(n, w) for n, w in workers if w.coll is not None]
+    if counted and waiting:
+        top = max(int(w.coll[0]) for _, w in counted)
+        behind = [(n, w) for n, w in counted if int(w.coll[0]) < top]
+        idle = [(n, w) for n, w in counted if w.rank not in waiting]
+        pick = behind or idle
+        if pick:
+            n, w = min(pick, key=lambda nw: (int(nw[1].coll[0]), nw[1].rank))
+            how = (
+                f"did not issue collective #{top} that ranks {sorted(waiting)} wait in"
+                if behind
+                else f"is not in the collective ranks {sorted(waiting)} wait in"
+            )
+            return n, w, how, waiting
+    n, w = min(
+        workers,
+        key=lambda nw: (
+            nw[1].step if nw[1].step is not None else -1,
+            -(nw[1].progress_age_s or 0),
+        ),
+    )
+    return n, w, "furthest behind", waiting

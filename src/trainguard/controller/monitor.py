@@ -1,0 +1,115 @@
+"""The controller's watch over a running job: straggler and anomaly detection on the step
+records (analysis.py), alerts (events, ``trainguard status``, an optional webhook) and
+Prometheus metrics (``GET /metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from trainguard.controller.analysis import AnomalyDetector, DetectConfig, Event, StragglerDetector
+
+log = logging.getLogger("trainguard.monitor")
+ALERT_KINDS = ("straggler", "loss_spike", "loss_nonfinite", "throughput_drop", "hang_localized")
+WEBHOOK_TIMEOUT_S = 5.0
+
+
+class Monitor:
+    """Feed it step records with ``on_steps``; it returns alert events for the store."""
+
+    def __init__(self, cfg: DetectConfig, webhook: str | None = None) -> None:
+        self.stragglers = StragglerDetector(cfg)
+        self.anomalies = AnomalyDetector(cfg)
+        self.webhook = webhook
+        self.alerts: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        self._tasks: set[asyncio.Task[None]] = set()
+        r = self.registry = CollectorRegistry()
+        self.g_step = Gauge("trainguard_step", "Newest step a rank finished", ["rank"], registry=r)
+        self.g_step_s = Gauge(
+            "trainguard_step_seconds", "Duration of a rank's newest step", ["rank"], registry=r
+        )
+        self.g_compute = Gauge(
+            "trainguard_compute_seconds",
+            "A rank's newest step minus its time in collectives",
+            ["rank"],
+            registry=r,
+        )
+        self.g_comm = Gauge(
+            "trainguard_communication_seconds",
+            "A rank's time in collectives in its newest step (waiting for peers included)",
+            ["rank"],
+            registry=r,
+        )
+        self.g_score = Gauge(
+            "trainguard_straggler_score",
+            "A rank's median compute time / the median over ranks, newest window",
+            ["rank"],
+            registry=r,
+        )
+        self.g_loss = Gauge("trainguard_loss", "Newest loss reported by rank 0", registry=r)
+        self.c_alerts = Counter("trainguard_alerts", "Alerts raised", ["kind"], registry=r)
+        self.g_phase = Gauge("trainguard_job_phase", "1 for the job's phase", ["phase"], registry=r)
+        self.g_gen = Gauge("trainguard_generation", "Newest generation", registry=r)
+        self.g_restarts = Gauge("trainguard_restarts", "Restarts after faults", registry=r)
+        self.g_nodes = Gauge("trainguard_nodes", "Nodes per pool", ["pool"], registry=r)
+
+    def on_steps(
+        self, generation: int, world: int, rank: int, items: list[dict[str, Any]]
+    ) -> list[Event]:
+        """One rank's step records (as agents report them); returns the alert events."""
+        last = max(items, key=lambda it: it["step"])
+        self.g_step.labels(rank).set(last["step"])
+        self.g_step_s.labels(rank).set(last["dur"])
+        comm = float((last.get("sec") or {}).get("communication", 0.0))
+        self.g_comm.labels(rank).set(comm)
+        self.g_compute.labels(rank).set(max(0.0, float(last["dur"]) - comm))
+        events = self.stragglers.add(generation, world, rank, items)
+        for r, score in self.stragglers.scores.items():
+            self.g_score.labels(r).set(score)
+        if rank == 0:
+            if last.get("loss") is not None:
+                self.g_loss.set(float(last["loss"]))
+            events += self.anomalies.add(generation, sorted(items, key=lambda it: it["step"]))
+        return events
+
+    def alert(self, kind: str, data: dict[str, Any]) -> None:
+        """Count and keep an alert (for status), and post it to the webhook if one is set."""
+        self.c_alerts.labels(kind).inc()
+        self.alerts.append({"kind": kind, **data})
+        log.warning("alert %s: %s", kind, data)
+        if self.webhook:
+            with contextlib.suppress(RuntimeError):  # no running loop: tests call this directly
+                task = asyncio.get_running_loop().create_task(self._post({"kind": kind, **data}))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _post(self, body: dict[str, Any]) -> None:
+        assert self.webhook is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S)
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.post(self.webhook, json=body) as resp,
+            ):
+                if resp.status >= 300:
+                    log.warning("alert webhook %s answered %d", self.webhook, resp.status)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            log.warning("alert webhook %s failed: %s", self.webhook, e)
+
+    def metrics(self, phase: str, generation: int, restarts: int, pools: dict[str, str]) -> bytes:
+        """Prometheus text exposition of the job."""
+        for p in ("PENDING", "RENDEZVOUS", "RUNNING", "FAULTED", "STOPPING", "CLEANING",
+                  "REPLACING", "WAITING_FOR_NODES", "SUCCEEDED", "FAILED", "STOPPED"):  # fmt: skip
+            self.g_phase.labels(p).set(1 if p == phase else 0)
+        self.g_gen.set(generation)
+        self.g_restarts.set(restarts)
+        for pool in ("running", "standby", "faulty", "retired"):
+            self.g_nodes.labels(pool).set(sum(1 for v in pools.values() if v == pool))
+        return bytes(generate_latest(self.registry))

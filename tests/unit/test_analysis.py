@@ -1,0 +1,113 @@
+"""Straggler, anomaly and hang-localization logic (controller/analysis.py) on synthetic
+step records with realistic noise."""
+
+from __future__ import annotations
+
+import random
+
+from trainguard.controller.analysis import (
+    AnomalyDetector,
+    DetectConfig,
+    StragglerDetector,
+    localize_hang,
+)
+from trainguard.controller.api import WorkerObs
+
+CFG = DetectConfig()
+
+
+def feed(
+    det: StragglerDetector, steps: int, slow: dict[int, float], seed: int = 0, world: int = 8
+) -> list[tuple[str, dict]]:
+    """A synchronous job: every rank's step lasts as long as the slowest rank's compute; the
+    others wait that difference in their collectives. Compute noise ±5% per step."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(1, steps + 1):
+        comp = {r: 0.02 * slow.get(r, 1.0) * rng.uniform(0.95, 1.05) for r in range(world)}
+        dur = max(comp.values()) + 0.002
+        for r in range(world):
+            item = {"step": step, "dur": dur, "sec": {"communication": dur - comp[r]}}
+            out += det.add(0, world, r, [item])
+    return out
+
+
+def test_a_rank_slowed_by_a_fifth_is_named_after_three_windows_and_only_it() -> None:
+    events = feed(StragglerDetector(CFG), 200, {5: 1.2})
+    assert [e[1]["rank"] for e in events] == [5], events  # one alert, not repeated
+    first = events[0][1]
+    assert first["windows"] == 3 and first["score"] > 1.1
+    assert first["steps"][1] - first["steps"][0] + 1 == 30
+    assert min(first["waiting_s"].values()) > first["own_wait_s"]  # the others wait for it
+
+
+def test_clean_noisy_ranks_raise_no_alert() -> None:
+    for seed in range(20):
+        assert feed(StragglerDetector(CFG), 1000, {}, seed=seed) == []
+
+
+def test_an_alert_clears_after_clean_windows_and_can_fire_again() -> None:
+    det = StragglerDetector(CFG)
+    assert len(feed(det, 60, {2: 1.5})) == 1
+    det2 = StragglerDetector(CFG)
+    events = []
+    rng = random.Random(1)
+    for step in range(1, 181):
+        slow = 1.5 if step <= 60 or step > 120 else 1.0
+        comp = {r: 0.02 * (slow if r == 2 else 1.0) * rng.uniform(0.97, 1.03) for r in range(4)}
+        dur = max(comp.values())
+        for r in range(4):
+            events += det2.add(
+                0, 4, r, [{"step": step, "dur": dur, "sec": {"communication": dur - comp[r]}}]
+            )
+    assert [e[1]["rank"] for e in events] == [2, 2]
+
+
+def test_a_new_generation_starts_afresh() -> None:
+    det = StragglerDetector(CFG)
+    feed(det, 25, {1: 2.0})
+    assert det.add(1, 4, 0, [{"step": 30, "dur": 0.1}]) == [] and det.generation == 1
+    assert det.add(0, 4, 0, [{"step": 31, "dur": 0.1}]) == []  # a late record of the old one
+
+
+def test_loss_spike_nan_and_throughput_drop_are_reported_at_their_steps() -> None:
+    det = AnomalyDetector(CFG)
+    rng = random.Random(0)
+    events = []
+    for step in range(1, 400):
+        loss = 3.0 - step / 400 + rng.gauss(0, 0.05)
+        if step == 150:
+            loss = 5.6
+        if step == 220:
+            loss = float("nan")
+        dur = 0.1 if step < 300 else 0.25  # a 60% drop from step 300
+        events += det.add(
+            0, [{"step": step, "loss": loss, "tokens": 128, "dur": dur * rng.uniform(0.9, 1.1)}]
+        )
+    kinds = [(k, d["step"]) for k, d in events]
+    assert kinds[:2] == [("loss_spike", 150), ("loss_nonfinite", 220)], kinds
+    assert len(kinds) == 3 and kinds[2][0] == "throughput_drop" and 300 < kinds[2][1] <= 320
+
+
+def obs(rank: int, step: int, coll: list[int] | None, hb: float = 0.1) -> WorkerObs:
+    return WorkerObs(
+        rank=rank,
+        local_rank=rank % 2,
+        pid=rank,
+        state="running",
+        step=step,
+        coll=coll,
+        heartbeat_age_s=hb,
+    )
+
+
+def test_the_rank_that_did_not_issue_the_collective_holds_the_others() -> None:
+    ws = [("n0", obs(0, 19, [41, 40])), ("n0", obs(1, 19, [41, 40])),
+          ("n1", obs(2, 19, [40, 40])), ("n1", obs(3, 19, [41, 40]))]  # fmt: skip
+    node, w, how, waiting = localize_hang(ws, stale_s=1.0)
+    assert (node, w.rank) == ("n1", 2) and "did not issue collective #41" in how
+    assert waiting == {0: 41, 1: 41, 3: 41}
+    frozen = [*ws[:3], ("n1", obs(3, 19, [41, 40], hb=9.0))]
+    assert localize_hang(frozen, stale_s=1.0)[1].rank == 3  # a frozen process comes first
+    plain = [("n0", obs(0, 12, None)), ("n1", obs(1, 11, None))]
+    assert localize_hang(plain, stale_s=1.0)[1].rank == 1  # no counters: furthest behind
