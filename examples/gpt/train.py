@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="benchmark: section timing on and off in alternating blocks of BLOCK steps",
     )
     p.add_argument(
+        "--no-time-ddp",
+        action="store_true",
+        help="benchmark: DDP's built-in all-reduce, untimed (no trainguard comm hook)",
+    )
+    p.add_argument(
         "--dp-ranks",
         type=int,
         default=0,
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(cfg)
     ddp = DDP(model) if distributed else model
-    if distributed:
+    if distributed and not args.no_time_ddp:
         trainguard.time_ddp(ddp)  # DDP's own all-reduce, timed as communication
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank stream (dropout)

@@ -129,3 +129,29 @@ def test_a_thousand_clean_steps_raise_no_alert(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert reached_step(run_dir, 1000)
     assert alerts(run_dir) == []
+
+
+def test_replace_policy_swaps_a_straggler_node_for_the_standby_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    args = [*TINY, "--steps", "80", "--ckpt-every", "5", "--durable-every", "5"]
+    ref = run_job(tmp_path / "ref", ["--nodes", "2", "--nproc-per-node", "2"], args)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    res = run_job(
+        run_dir,
+        ["--nodes", "2", "--standby", "1", "--nproc-per-node", "2",
+         "--inject", "slow:rank=3:factor=2:step=11"],
+        args,
+        config='preflight = "off"\nheartbeat_s = 0.2\nstraggler_action = "replace"\n',
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    evs = events(run_dir)
+    moved = [e for e in evs if e["kind"] == "pool_changed" and e["node"] == "node1"]
+    assert moved[-1]["to"] == "faulty" and moved[-1]["reason"].startswith("straggler: rank 3")
+    gens = [e["assignment"] for e in evs if e["kind"] == "generation_started"]
+    assert gens[0] == {"node0": 0, "node1": 1} and gens[1] == {"node0": 0, "node2": 1}, gens
+    assert not [e for e in evs if e["kind"] == "fault"]  # a planned stop, not a fault
+    from tests.conftest import losses
+
+    assert losses(run_dir) == losses(tmp_path / "ref")  # the same losses, step for step

@@ -111,3 +111,27 @@ def test_the_rank_that_did_not_issue_the_collective_holds_the_others() -> None:
     assert localize_hang(frozen, stale_s=1.0)[1].rank == 3  # a frozen process comes first
     plain = [("n0", obs(0, 12, None)), ("n1", obs(1, 11, None))]
     assert localize_hang(plain, stale_s=1.0)[1].rank == 1  # no counters: furthest behind
+
+
+def test_decide_replaces_an_evicted_node_at_a_checkpoint_boundary() -> None:
+    from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool
+    from trainguard.controller.decide import JobState, decide
+
+    cfg = JobConfig(script="t.py", run_dir="/tmp/x", nodes=2, standby=1, preflight="off")
+    obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0) for n in ("a", "b", "c")}
+    s = JobState(
+        phase=Phase.RUNNING, generation=0, assignment={"a": 0, "b": 1},
+        pools={"a": Pool.RUNNING, "b": Pool.RUNNING, "c": Pool.STANDBY}, evict={"b": "straggler"},
+        join_order=["a", "b", "c"],
+    )  # fmt: skip
+    s, ev = decide(s, obs, 1.0, cfg, [])
+    assert s.phase == Phase.STOPPING and s.growing  # workers get SIGTERM and save
+    for o in obs.values():
+        o.stopped_generation, o.last_seen = 0, 2.0
+    s, ev = decide(s, obs, 2.0, cfg, [(10, 0)])
+    assert s.assignment == {"a": 0, "c": 1} and s.pools["b"] == Pool.FAULTY
+    assert s.generation == 1 and s.restarts == 0 and not s.evict
+    assert any(
+        k == "pool_changed" and d["node"] == "b" and d["reason"].startswith("straggler")
+        for k, d in ev
+    )

@@ -148,6 +148,7 @@ class Agent:
             env.setdefault("GLOO_SOCKET_IFNAME", ifname)
         env["PYTHONUNBUFFERED"] = "1"
         env[rt_api.ENV_NODE_ID] = self.cfg.node_id  # names this node's processes (leftovers)
+        env["TRAINGUARD_AGENT_PID"] = str(os.getpid())  # and their owner
         return env
 
     def _worker_env(self, d: dict[str, Any], local_rank: int) -> dict[str, str]:

@@ -84,9 +84,12 @@ class Progress:
                     self._say(t, f"  {n}: {took}")
         if run["stage"] != self.stage:
             self.stage = run["stage"]
+            n_net = len(run.get("net_nodes") or [])
             what = {
-                "node": "host checks and GEMM",
-                "net": "collectives in pairing rounds, then simulated training",
+                "node": f"host checks and GEMM on {len(run['nodes'])} node(s)",
+                "net": "collectives in pairing rounds, then simulated training"
+                if n_net != 1
+                else "simulated training (one node: no partner for collectives)",
                 "done": f"finished in {run.get('stage_s', {}).get('total', 0):.1f}s",
             }
             self._say(
@@ -111,24 +114,33 @@ def print_result(run: dict[str, Any], lists: dict[str, list[str]], console: Cons
     for name in ("normal", "abnormal", "standby", "running", "all"):
         console.print(f"{name:>9}: {', '.join(lists.get(name, [])) or '-'}")
     t = Table(title=f"pre-flight {run['run']} ({run['level']}): {run['reason']}")
-    for col in ("node", "result", "load/core", "mem GiB", "disk GiB", "shm GiB", "leftover",
-                "skew s", "GEMM GFLOP/s", "AR busbw GB/s", "AG busbw GB/s", "latency µs",
-                "train step s", "check times s"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("node", "result", "check times s") else "right")
+    for col in ("node", "ok", "load", "mem", "disk", "shm", "left", "skew", "GEMM",
+                "AR bw", "AG bw", "lat µs", "train"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("node", "result") else "right")
     for n in run["nodes"]:
         row = run["table"].get(n, {})
         v = run["verdicts"].get(n, {"ok": False})
-        times = {**row.get("times_s", {}), **row.get("net_times_s", {})}
         t.add_row(
             n, "pass" if v["ok"] else "[red]FAIL[/red]", _num(row.get("load_per_core"), ".2f"),
             _gib(row.get("memory_available")), _gib(row.get("disk_free")), _gib(row.get("shm_free")),
             str(row.get("leftovers", "-")), _num(row.get("clock_skew_s"), "+.3f"),
             _num(row.get("gemm_gflops"), ".1f"), _num(row.get("allreduce_busbw_gbps"), ".3f"),
             _num(row.get("allgather_busbw_gbps"), ".3f"), _num(row.get("latency_us"), ".0f"),
-            _num(row.get("train_step_s"), ".4f"),
-            " ".join(f"{k}={val:.2f}" for k, val in times.items()),
+            _num(row.get("train_step_s"), ".3f"),
         )  # fmt: skip
     console.print(t)
+    console.print(
+        "load per core; mem, disk, shm: GiB free; left: leftover processes; GEMM: GFLOP/s; "
+        "AR/AG bw: all-reduce/all-gather bus bandwidth GB/s (median over partners); lat: "
+        "small all-reduce latency; train: simulated training step time"
+    )
+    for n in run["nodes"]:
+        row = run["table"].get(n, {})
+        times = {**row.get("times_s", {}), **row.get("net_times_s", {})}
+        if times:
+            console.print(
+                f"{n} check times: " + ", ".join(f"{k} {v:.2f}s" for k, v in times.items())
+            )
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in run.get("stage_s", {}).items())
     console.print(f"stage times: {stages}")
     for n in run["nodes"]:
@@ -173,6 +185,7 @@ async def _local(
         cluster = Cluster(cfg, f"{host}:{port}", token_file)
         cluster.start()
     progress = Progress()
+    progress._say(0.0, f"waiting for {cfg.nodes} agent(s) to report (controller {host}:{port})")
     done = asyncio.ensure_future(controller.wait_done())
     try:
         while not done.done():
@@ -272,5 +285,5 @@ def check_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**run, "lists": lists}, indent=1))
     else:
-        print_result(run, lists, Console(width=200))
+        print_result(run, lists, Console())
     return 0 if all(v["ok"] for v in run["verdicts"].values()) and run["verdicts"] else 1

@@ -548,7 +548,12 @@ class Controller:
         elif pf.active is None and s.phase == Phase.RUNNING:
             run = pf.runs[max(pf.runs)]
             for n in run.nodes:
-                s.pools[n] = Pool.FAULTY if run.problems.get(n) else Pool.STANDBY
+                bad = run.problems.get(n)
+                s.pools[n] = Pool.FAULTY if bad else Pool.STANDBY
+                why = "failed pre-flight: " + "; ".join(bad) if bad else "passed pre-flight"
+                self.store.record(
+                    "pool_changed", {"node": n, "from": None, "to": s.pools[n].value, "reason": why}
+                )
             passed = sum(1 for n in run.nodes if not run.problems.get(n))
             s.phase, s.reason = Phase.SUCCEEDED, f"{passed} of {len(run.nodes)} nodes passed"
         self._persist_and_publish()

@@ -64,6 +64,7 @@ class CheckRun:
             "level": self.level,
             "reason": self.reason,
             "nodes": self.nodes,
+            "net_nodes": self.net_nodes,
             "stage": self.stage,
             "answered": {
                 "node": {n: r.get("times_s", {}) for n, r in self.node_results.items() if r},

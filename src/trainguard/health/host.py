@@ -54,11 +54,12 @@ def _free(path: Path) -> int | str:
 
 def leftover_processes(node_id: str, agent_pid: int) -> list[dict[str, Any]]:
     """Processes of an earlier job on this node: their environment names this node
-    (``TRAINGUARD_NODE_ID``, set for every worker, spare and ckptd an agent starts) but they
-    are not in the live agent's process tree. Each: ``{"pid", "cmd"}`` (command line, 200
-    characters at most).
+    (``TRAINGUARD_NODE_ID``, set for every worker, spare and ckptd an agent starts) but the
+    agent that started them (``TRAINGUARD_AGENT_PID``) is gone: orphans that still hold
+    memory, ports, GPUs. Each: ``{"pid", "cmd"}`` (command line, 200 characters at most).
 
-    Hosts simulated on one machine share a process table; the node id tells them apart.
+    Processes of another *live* agent are not leftovers: hosts simulated on one machine
+    share a process table, and two simulated jobs may both have a "node0".
     """
     try:
         mine = {agent_pid, *(c.pid for c in psutil.Process(agent_pid).children(recursive=True))}
@@ -66,17 +67,30 @@ def leftover_processes(node_id: str, agent_pid: int) -> list[dict[str, Any]]:
         mine = {agent_pid}
     mine.add(os.getpid())
     out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
         if p.pid in mine:
             continue
         try:
-            if p.environ().get(rt_api.ENV_NODE_ID) != node_id:
-                continue
+            env = p.environ()
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+            continue
+        if env.get(rt_api.ENV_NODE_ID) != node_id or _owner_alive(env, p.info["create_time"]):
             continue
         cmd = " ".join(p.info.get("cmdline") or [])[:200]
         out.append({"pid": p.pid, "cmd": cmd})
     return out
+
+
+def _owner_alive(env: dict[str, str], created: float) -> bool:
+    """The agent named in ``env`` still runs (and is not a newer process reusing its pid)."""
+    try:
+        pid = int(env.get("TRAINGUARD_AGENT_PID", "0"))
+        if pid <= 0:
+            return False
+        owner = psutil.Process(pid)
+        return owner.create_time() <= created and owner.is_running()
+    except (ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def measure(

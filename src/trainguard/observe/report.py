@@ -77,8 +77,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     for e in events:
         if e["kind"] == "pool_changed" and e.get("to") in ("faulty", "retired"):
             why[e["node"]] = e.get("reason", "")
+    is_check = any(e["kind"] == "check_started" for e in events) and t0 is None
     return {
         "run_dir": str(run_dir),
+        "kind": "check" if is_check else "job",
         "phase": state.get("phase"),
         "reason": state.get("reason", ""),
         "generations": state.get("generation", -1) + 1,
@@ -134,24 +136,17 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         return 0
     con = Console(width=max(Console().width, 132))
     con.print(f"[bold]trainguard report[/] {rep['run_dir']}")
+    if rep["kind"] == "check":
+        con.print(f"pre-flight check (trainguard check): {rep['reason']}")
+        _print_preflight(con, rep)
+        return 0
     con.print(f"job: {rep['phase']}  {rep['reason']}")
     con.print(
         f"steps completed: {len(rep['steps_completed'])} (last {rep['last_step']}) in {rep['generations']} "
         f"generation(s); wall time {rep['wall_time_s']:.1f}s; productive step time "
         f"{rep['productive_step_time_s']:.1f}s; goodput (ETTR) {rep['goodput']:.1%}"
     )
-    if rep["preflight"]:
-        pre = Table(title=f"pre-flight runs: {len(rep['preflight'])}")
-        for col in ("run", "level", "why", "nodes", "failed", "seconds"):
-            pre.add_column(col)
-        for r in rep["preflight"]:
-            pre.add_row(
-                str(r["run"]), r["level"], escape(r["reason"]), ", ".join(r["nodes"]),
-                ", ".join(r["failed"]) or "—", _fmt(r["seconds"]),
-            )  # fmt: skip
-        con.print(pre)
-    for node, reason in rep["left_out"].items():
-        con.print(f"left out: [red]{escape(node)}[/red]: {escape(reason)}")
+    _print_preflight(con, rep)
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
         faults.add_column(col)
@@ -202,6 +197,21 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         )
     con.print(rec)
     return 0
+
+
+def _print_preflight(con: Console, rep: dict[str, Any]) -> None:
+    if rep["preflight"]:
+        pre = Table(title=f"pre-flight runs: {len(rep['preflight'])}")
+        for col in ("run", "level", "why", "nodes", "failed", "seconds"):
+            pre.add_column(col)
+        for r in rep["preflight"]:
+            pre.add_row(
+                str(r["run"]), r["level"], escape(r["reason"]), ", ".join(r["nodes"]),
+                ", ".join(r["failed"]) or "—", _fmt(r["seconds"]),
+            )  # fmt: skip
+        con.print(pre)
+    for node, reason in rep["left_out"].items():
+        con.print(f"left out: [red]{escape(node)}[/red]: {escape(reason)}")
 
 
 # Per-snapshot bookkeeping: hundreds per run; shown with --all or --kind.
