@@ -144,3 +144,45 @@ def test_decide_admits_a_node_only_after_it_passed_preflight() -> None:
     obs["bad"].checked_at, obs["bad"].check_problems = 200.5, ()
     s, ev = decide(s, obs, 201.0, cfg, [])
     assert s.pools["bad"] == Pool.STANDBY and not needs_recheck(s, obs["bad"], 201.0, cfg)
+
+
+def test_a_dead_check_process_or_lost_node_fails_only_that_node() -> None:
+    res = {n: node_result() for n in "abc"}
+    res["d"] = {"error": "check process exited with status -9: "}
+    problems, _ = judge_node_stage(res, CFG, {})
+    assert problems["d"] == ["node checks failed: check process exited with status -9: "]
+    assert not any(problems[n] for n in "abc")
+    # A node lost in the net stage: its partners' failed pairs and training are not theirs.
+    net_res = net(list("abcd"), None)
+    net_res["d"] = {"error": "node lost: its agent stopped reporting"}
+    for n in "abc":
+        net_res[n]["pairs"] = [p for p in net_res[n]["pairs"] if p["partner"] != "d"] + [
+            {"partner": "d", "error": "DistStoreError: wait timeout"}
+        ]
+        net_res[n]["train"] = {"error": "DistStoreError: wait timeout after 30000ms"}
+    problems, _, _ = judge_net_stage(net_res, CFG, {})
+    assert [n for n, p in problems.items() if p] == ["d"], problems
+
+
+def test_config_values_of_the_wrong_type_are_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="node_stage_timeout_s = 'x': must be a number"):
+        CheckConfig(node_stage_timeout_s="x")  # type: ignore[arg-type]
+
+
+def test_a_job_whose_nodes_all_fail_preflight_fails_with_their_reasons() -> None:
+    cfg = JobConfig(
+        script="t.py", run_dir="/tmp/x", nodes=2, preflight="quick", join_timeout_s=30.0
+    )
+    obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=1.0, checked_at=1.0,
+                      check_problems=("GEMM wrong: 1 element(s)",)) for n in ("a", "b")}  # fmt: skip
+    s, _ = decide(JobState(phase_since=0.0), obs, 1.0, cfg, [])
+    assert s.phase.value == "PENDING" and s.pools == {"a": Pool.FAULTY, "b": Pool.FAULTY}
+    for o in obs.values():
+        o.last_seen = 31.0
+    s, _ = decide(s, obs, 31.0, cfg, [])
+    assert s.phase.value == "FAILED"
+    assert s.reason.startswith(
+        "only 0 of the 2 nodes needed passed pre-flight in 30s; failed: a: GEMM"
+    )

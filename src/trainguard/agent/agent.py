@@ -588,7 +588,10 @@ class Agent:
                 w.durations.append(float(it["dur"]))
                 with self._lock:
                     self._steps.setdefault((self.generation, w.rank), []).append(
-                        {k: it.get(k) for k in ("step", "t_end", "dur", "loss", "tokens", "sec")}
+                        {
+                            k: it.get(k)
+                            for k in ("step", "t_end", "dur", "loss", "tokens", "sec", "tc")
+                        }
                     )
             elif kind == "event":
                 ev = {k: v for k, v in it.items() if k not in ("t", "rank", "pid", "gen")}

@@ -281,7 +281,11 @@ def check_command(args: argparse.Namespace) -> int:
         logging.basicConfig(
             level=logging.WARNING, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
         )
-    run, lists = _remote(args) if args.controller else asyncio.run(_local(args, ccfg))
+    try:
+        run, lists = _remote(args) if args.controller else asyncio.run(_local(args, ccfg))
+    except KeyboardInterrupt:
+        print("trainguard: check interrupted; its agents were stopped", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps({**run, "lists": lists}, indent=1))
     else:

@@ -1,23 +1,29 @@
 """Straggler and anomaly detection on the per-step records the ranks report (pure logic:
 records in, events out; the controller's executor feeds it and records the events).
 
-Straggler (seed, section 六: one slow GPU drags the whole job). Per window of
-``window_steps`` steps and per rank, the median of its *compute* time: step time minus
-the time spent in collectives (``communication``). In a synchronous job every rank's step
-takes as long as the slowest one's, so step times alone cannot name the culprit; the
-culprit computes longer, its victims wait longer. A window flags a rank when both
+Straggler (seed, section 六: one slow GPU drags the whole job). In a synchronous job every
+rank's step takes as long as the slowest one's, so step times cannot name the culprit. What
+differs is *when* each rank reaches the step's first collective: the culprit arrives late
+(it computes longer), its victims arrive early and wait. Per step, a rank's lateness is its
+arrival time (``tc``, wall clock, sent by the runtime) minus the median arrival over the
+ranks; per window of ``window_steps`` steps, its median. (Without collective timing the
+fallback is compute time, step minus time in collectives, against the median.) A window
+flags a rank when both
 
-- the seed's rule holds: its compute time exceeds the mean by ``sigma`` (2) standard
+- the seed's rule holds: its lateness exceeds the mean by ``sigma`` (2) standard
   deviations, mean and deviation taken over the *other* ranks (with the suspect included,
   one outlier among n ranks can never exceed (n−1)/√n deviations — 2.47 for 8 — so the
   plain rule masks the very straggler it looks for), and
-- the robust median-relative score, compute / median over ranks, is at least
-  ``min_ratio`` (1.1: slowdowns of 10% and more; run-to-run noise of the medians here is a
-  few percent),
+- it arrives at least ``min_late`` (5%) of the median step time after the median rank: a
+  robust, scale-free floor that keeps the rule quiet when all ranks are equally fast,
 
 and an alert needs ``persist_windows`` (3) flagged windows in a row (persistence, so a
 one-off hiccup — a GC pause, a checkpoint flush — is not a straggler). The alert clears
-after as many clean windows in a row; only then can the rank alert again.
+after as many clean windows in a row; only then can the rank alert again. Arrival times of
+ranks on different hosts are compared by wall clock: NTP keeps them within a millisecond or
+so, far below the 5% of a step this needs; the pre-flight rejects a node skewed by > 1 s.
+Measured here (8 ranks sharing 2 cores, steps of ~0.1 s) clean windows stay within ±0.15
+step of the median rank, while a rank slowed to 1.2× sits at +0.1 to +0.3.
 
 Anomalies on rank 0's series (the example reports the mean loss over ranks):
 
@@ -51,7 +57,7 @@ class DetectConfig:
     window_steps: int = 10
     persist_windows: int = 3
     sigma: float = 2.0
-    min_ratio: float = 1.1
+    min_late: float = 0.05
     loss_window: int = 50
     loss_z: float = 8.0
     tp_recent: int = 20
@@ -65,19 +71,21 @@ def _compute_s(it: dict[str, Any]) -> float:
 
 
 class StragglerDetector:
-    """Windows of per-rank compute time for one generation at a time."""
+    """Windows of per-rank lateness for one generation at a time."""
 
     def __init__(self, cfg: DetectConfig) -> None:
         self.cfg = cfg
         self.generation = -1
         self.world = 0
         self._first: dict[int, int] = {}  # rank → its first step in this generation (skipped)
-        self._steps: dict[int, dict[int, tuple[float, float]]] = {}  # rank → step → (compute, comm)
+        self._newest: dict[int, int] = {}  # rank → newest step reported
+        # step → rank → (arrival at the first collective or None, duration, communication)
+        self._steps: dict[int, dict[int, tuple[float | None, float, float]]] = {}
         self._next_window: int | None = None
         self.streak: dict[int, int] = collections.defaultdict(int)
         self.clean: dict[int, int] = collections.defaultdict(int)  # clean windows in a row
         self.alerted: set[int] = set()
-        self.scores: dict[int, float] = {}  # rank → compute / median, newest window
+        self.scores: dict[int, float] = {}  # rank → lateness / step time, newest window
         self.windows_done = 0
 
     def add(
@@ -93,50 +101,71 @@ class StragglerDetector:
         for it in items:
             step = int(it["step"])
             first = self._first.setdefault(rank, step)
+            self._newest[rank] = max(self._newest.get(rank, step), step)
             if step == first:
                 continue  # includes process start and restore
             comm = float((it.get("sec") or {}).get("communication", 0.0))
-            self._steps.setdefault(rank, {})[step] = (_compute_s(it), comm)
+            tc = it.get("tc")
+            row = self._steps.setdefault(step, {})
+            row[rank] = (float(tc) if tc is not None else None, float(it["dur"]), comm)
         return self._evaluate()
 
     def _evaluate(self) -> list[Event]:
         out: list[Event] = []
         w = self.cfg.window_steps
-        if len(self._steps) < self.world or self.world < 3:
-            return out  # mean + 2σ needs at least 3 ranks
+        if len(self._newest) < self.world or self.world < 3:
+            return out  # mean + 2σ of the others needs at least 3 ranks
         if self._next_window is None:
             self._next_window = max(self._first.values()) // w + 1
         while True:
             k = self._next_window
             lo, hi = k * w + 1, (k + 1) * w
-            if any(max(s, default=0) < hi for s in self._steps.values()):
+            if min(self._newest.values()) < hi:
                 return out
-            comp, comm = {}, {}
-            for r, steps in self._steps.items():
-                got = [steps[i] for i in range(lo, hi + 1) if i in steps]
-                if got:
-                    comp[r] = statistics.median(c for c, _ in got)
-                    comm[r] = statistics.median(m for _, m in got)
-                for i in range(lo, hi + 1):
-                    steps.pop(i, None)
-            out += self._judge(comp, comm, lo, hi)
+            late: dict[int, list[float]] = collections.defaultdict(list)
+            comm: dict[int, list[float]] = collections.defaultdict(list)
+            durs: list[float] = []
+            for step in range(lo, hi + 1):
+                row = self._steps.pop(step, {})
+                if len(row) < 3:
+                    continue
+                if all(tc is not None for tc, _, _ in row.values()):
+                    mid = statistics.median(tc for tc, _, _ in row.values())  # type: ignore[type-var]
+                    arrive = {r: tc - mid for r, (tc, _, _) in row.items()}  # type: ignore[operator]
+                else:
+                    comp = {r: max(0.0, d - c) for r, (_, d, c) in row.items()}
+                    mid = statistics.median(comp.values())
+                    arrive = {r: v - mid for r, v in comp.items()}
+                for r, v in arrive.items():
+                    late[r].append(v)
+                    comm[r].append(row[r][2])
+                durs += [d for _, d, _ in row.values()]
+            for old in [s for s in self._steps if s < lo]:
+                del self._steps[old]
+            if late and durs:
+                out += self._judge(
+                    {r: statistics.median(v) for r, v in late.items()},
+                    {r: statistics.median(v) for r, v in comm.items()},
+                    statistics.median(durs),
+                    lo,
+                    hi,
+                )
             self._next_window = k + 1
             self.windows_done += 1
 
     def _judge(
-        self, comp: dict[int, float], comm: dict[int, float], lo: int, hi: int
+        self, late: dict[int, float], comm: dict[int, float], step_s: float, lo: int, hi: int
     ) -> list[Event]:
-        if len(comp) < 3:
+        if len(late) < 3 or step_s <= 0:
             return []
-        med = statistics.median(comp.values())
         out: list[Event] = []
-        for r, c in comp.items():
-            others = [v for x, v in comp.items() if x != r]
+        for r, x in late.items():
+            others = [v for q, v in late.items() if q != r]
             mean, sd = statistics.fmean(others), statistics.pstdev(others)
-            ratio = c / med if med > 0 else 1.0
-            z = (c - mean) / sd if sd > 0 else (math.inf if c > mean else 0.0)
-            self.scores[r] = round(ratio, 3)
-            if ratio >= self.cfg.min_ratio and z > self.cfg.sigma:
+            z = (x - mean) / sd if sd > 0 else (math.inf if x > mean else 0.0)
+            frac = x / step_s
+            self.scores[r] = round(frac, 3)
+            if frac >= self.cfg.min_late and z > self.cfg.sigma:
                 self.streak[r] += 1
                 self.clean[r] = 0
             else:
@@ -146,20 +175,20 @@ class StragglerDetector:
                     self.alerted.discard(r)
             if self.streak[r] >= self.cfg.persist_windows and r not in self.alerted:
                 self.alerted.add(r)
-                waiting = sorted((x for x in comm if x != r), key=lambda x: -comm[x])
+                waiting = sorted((q for q in comm if q != r), key=lambda q: -comm[q])
                 out.append(
                     (
                         "straggler",
                         {
                             "generation": self.generation,
                             "rank": r,
-                            "score": round(ratio, 3),
+                            "score": round(frac, 3),
+                            "late_s": round(x, 5),
+                            "step_s": round(step_s, 5),
                             "z": round(z, 2) if math.isfinite(z) else None,
-                            "compute_s": round(c, 5),
-                            "median_compute_s": round(med, 5),
                             "windows": self.streak[r],
                             "steps": [lo - (self.streak[r] - 1) * self.cfg.window_steps, hi],
-                            "waiting_s": {x: round(comm[x], 5) for x in waiting},
+                            "waiting_s": {q: round(comm[q], 5) for q in waiting},
                             "own_wait_s": round(comm.get(r, 0.0), 5),
                         },
                     )

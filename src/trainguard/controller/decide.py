@@ -193,6 +193,16 @@ def _recheck(
             )
         )
         return
+    if cfg.preflight != "off" and o.check_problems:  # a failed pre-flight counts as a fault
+        s.node_faults[node] = s.node_faults.get(node, 0) + 1
+        if s.node_faults[node] >= cfg.retire_after:
+            s.pools[node] = Pool.RETIRED
+            s.recheck_at.pop(node, None)
+            why = f"retired: failed {s.node_faults[node]} checks (last: {'; '.join(failed)})"
+            events.append(
+                ("pool_changed", {"node": node, "from": "faulty", "to": "retired", "reason": why})
+            )
+            return
     delay = _recheck_delay(cfg, s.node_faults.get(node, 1)) * 2
     s.recheck_at[node] = now + delay
     s.faulty_since[node] = now  # the next re-check needs a newer verdict
@@ -402,7 +412,22 @@ def decide(
         failed = sorted(n for n, p in s.pools.items() if p in (Pool.FAULTY, Pool.RETIRED))
         # Every expected node joined, some failed pre-flight: start on the ones that passed.
         settled = enough and len(healthy) + len(failed) >= cfg.nodes + cfg.standby
-        if everyone or settled or (enough and now - s.phase_since > cfg.join_timeout_s):
+        waited = now - s.phase_since > cfg.join_timeout_s
+        if failed and not enough and waited and len(healthy) + len(failed) >= cfg.nodes:
+            need = cfg.min_nodes or cfg.nodes
+            why = "; ".join(
+                f"{n}: {(obs[n].check_problems or obs[n].health_problems or ('lost',))[0]}"
+                if n in obs
+                else f"{n}: lost"
+                for n in failed
+            )
+            s.reason = (
+                f"only {len(healthy)} of the {need} nodes needed passed pre-flight in "
+                f"{cfg.join_timeout_s:.0f}s; failed: {why}"
+            )
+            _goto(s, Phase.FAILED, now, events, s.reason)
+            return s, events
+        if everyone or settled or (enough and waited):
             s.assignment = {n: i for i, n in enumerate(healthy[: cfg.nodes])}
             why = (
                 "all nodes joined"

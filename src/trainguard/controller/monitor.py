@@ -49,7 +49,8 @@ class Monitor:
         )
         self.g_score = Gauge(
             "trainguard_straggler_score",
-            "A rank's median compute time / the median over ranks, newest window",
+            "How late a rank reaches the step's first collective, as a fraction of the step "
+            "(median over the newest window)",
             ["rank"],
             registry=r,
         )

@@ -293,10 +293,12 @@ class Controller:
         busy = sorted(n for n, p in self.state.pools.items() if p == Pool.RUNNING)
         idle = [n for n in sorted(self.obs) if self._alive(n, now) and n not in busy]
         if not idle:
-            return web.json_response(
-                {"error": "no idle node to check (nodes are not checked while they train)"},
-                status=409,
+            why = (
+                "no agent reports to this controller"
+                if not busy
+                else "every node is training (nodes are not checked while they train)"
             )
+            return web.json_response({"error": f"no idle node to check: {why}"}, status=409)
         run = self.preflight.start(idle, "requested (trainguard check)", now, level)
         self._publish()
         return web.json_response({"run": run.id, "nodes": idle, "not_checked": busy})
@@ -464,7 +466,11 @@ class Controller:
                 return  # after a controller restart: let every node report before deciding
             self._resume_until = 0.0
         if self.preflight is not None:
-            self._preflight_tick(time.time())
+            try:
+                self._preflight_tick(time.time())
+            except Exception:  # a bug in the checks must not stop the job's decisions
+                log.exception("pre-flight tick failed; the run is abandoned")
+                self.preflight.abandon(time.time(), "pre-flight failed internally (see log)")
         if self.check_only:
             self._check_only_tick(time.time())
             return

@@ -1,7 +1,7 @@
 """The controller's durable store: SQLite (``RUN_DIR/job.sqlite``) plus ``events.jsonl``.
 
 Tables: ``kv`` (job config and state as JSON), ``events`` (every structured event),
-``steps`` (per-rank step records). Writes come from the controller's event loop
+``steps`` (per-rank step records, with their timed sections as JSON). Writes come from the controller's event loop
 thread only; readers (``trainguard events|report``) open their own connection.
 """
 
@@ -20,7 +20,7 @@ CREATE TABLE IF NOT EXISTS events (
   generation INTEGER, node TEXT, rank INTEGER, step INTEGER, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS steps (
   generation INTEGER NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL,
-  t_end REAL NOT NULL, duration_s REAL NOT NULL, loss REAL, tokens INTEGER,
+  t_end REAL NOT NULL, duration_s REAL NOT NULL, loss REAL, tokens INTEGER, sections TEXT,
   PRIMARY KEY (generation, rank, step));
 """
 
@@ -34,6 +34,9 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(steps)")}
+        if "sections" not in cols:  # a store written before section timing existed
+            self.db.execute("ALTER TABLE steps ADD COLUMN sections TEXT")
         self._jsonl = open(run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
 
     def record(self, kind: str, data: dict[str, Any], *, ts: float | None = None) -> dict[str, Any]:
@@ -57,7 +60,7 @@ class Store:
 
     def add_steps(self, generation: int, rank: int, items: list[dict[str, Any]]) -> None:
         self.db.executemany(
-            "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?)",
             [
                 (
                     generation,
@@ -67,6 +70,7 @@ class Store:
                     it["dur"],
                     it.get("loss"),
                     it.get("tokens"),
+                    json.dumps({**(it.get("sec") or {}), "t_coll": it.get("tc")}),
                 )
                 for it in items
             ],

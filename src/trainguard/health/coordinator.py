@@ -232,6 +232,12 @@ class Preflight:
         if waiting and now < run.deadline:
             return None
         run.stage_s[run.stage] = round(now - run.stage_started, 3)
+        for n, r in results.items():
+            if r is None and n not in alive:
+                results[n] = {"error": "node lost: its agent stopped reporting"}
+            elif r is None:
+                took = now - run.stage_started
+                results[n] = {"error": f"no result within {took:.0f} s (stage deadline)"}
         if run.stage == "node":
             problems, pool = judge.judge_node_stage(run.node_results, self.cfg, self.reference)
             run.problems = problems
@@ -251,6 +257,13 @@ class Preflight:
                 run.problems[n].extend(p)
                 run.table[n].update(_net_row(run.net_results.get(n), medians.get(n, {})))
         return self._finish(run, now)
+
+    def abandon(self, now: float, why: str) -> None:
+        """End the active run with ``why`` as every node's problem (an internal failure)."""
+        run = self.active
+        if run is not None:
+            run.problems = {n: [why] for n in run.nodes}
+            self._finish(run, now)
 
     def _update_reference(self, pool: dict[str, Any]) -> None:
         fresh = {k: v for k, v in pool.items() if v is not None}

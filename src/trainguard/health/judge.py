@@ -60,6 +60,12 @@ class CheckConfig:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"--level {self.level}: use quick or full")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "level" and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise ValueError(f"{f.name} = {v!r}: must be a number")
+            if f.name != "level" and v < 0:
+                raise ValueError(f"{f.name} = {v!r}: must be >= 0")
 
     def sizes(self) -> dict[str, Any]:
         """The work of each check at this level (what the node stage and net stage run)."""
@@ -188,8 +194,11 @@ def judge_node_stage(
         if r is None:
             problems[n] = [f"node checks did not finish within {cfg.node_stage_timeout_s:.0f} s"]
             continue
+        if "error" in r:  # the check process died, timed out, or the node was lost
+            problems[n] = [f"node checks failed: {r['error']}"]
+            continue
         p = judge_host(r.get("host", {"error": "no result"}), cfg, median_load)
-        k = r.get("gemm_correctness", {})
+        k = r.get("gemm_correctness", {"error": "no result"})
         if "error" in k:
             p.append(f"GEMM known-answer check failed: {k['error']}")
         elif k["mismatches"]:
@@ -199,7 +208,7 @@ def judge_node_stage(
             )
         elif ref_sum is not None and k["checksum"] != ref_sum:
             p.append(f"GEMM checksum {k['checksum']} differs from the pool's {ref_sum}")
-        g = r.get("gemm", {})
+        g = r.get("gemm", {"error": "no result"})
         if "error" in g:
             p.append(f"GEMM throughput check failed: {g['error']}")
         elif ref_rate and g["gflops"] < cfg.gemm_min_ratio * ref_rate:
@@ -283,12 +292,18 @@ def judge_net_stage(
                 f"collectives slow with {len(partners)} partners ({', '.join(sorted(partners))}): "
                 f"{first}"
             )
-    trains = {n: (r or {}).get("train") for n, r in results.items()}
+    lost = {n: r["error"] for n, r in results.items() if r is not None and "error" in r}
+    lost.update({n: "did not finish in time" for n, r in results.items() if r is None})
+    for n, why in lost.items():
+        problems[n].append(f"collective and training checks failed: {why}")
+    trains = {n: (r or {}).get("train") for n, r in results.items() if n not in lost}
     prints = {n: t["fingerprint"] for n, t in trains.items() if t and "fingerprint" in t}
     agreed = _majority(prints)
     for n, t in trains.items():
         if t is None:
             problems[n].append("simulated training did not finish in time")
+        elif "error" in t and lost:
+            continue  # a victim: the training lost a node that is already blamed
         elif "error" in t:
             problems[n].append(f"simulated training failed: {t['error'][:200]}")
         elif not t["finite"]:

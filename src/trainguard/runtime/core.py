@@ -81,6 +81,7 @@ class Runtime:
         # not issue the collective the others wait in is the one holding them).
         self.coll_issued = 0
         self.coll_done = 0
+        self._first_issue: float | None = None
         addr = env.get(api.ENV_AGENT_ADDR)
         if addr:
             host, _, port = addr.rpartition(":")
@@ -140,6 +141,8 @@ class Runtime:
             if spec.kind == "hang-collective" and spec.step == (self._last_step or 0) + 1:
                 self._maybe_fire(spec, spec.step, 0.0)
         self.coll_issued += 1
+        if self._first_issue is None:
+            self._first_issue = time.time()  # when this rank reached the step's first collective
         return time.perf_counter()
 
     def collective_done(self, t0: float) -> None:
@@ -169,6 +172,7 @@ class Runtime:
         self._steps_ended += 1
         with self._sec_lock:
             sections, self._sections = self._sections, {}
+        t_coll, self._first_issue = self._first_issue, None
         if self._agent is not None:
             self._queue.put(
                 {
@@ -179,6 +183,7 @@ class Runtime:
                     "loss": loss,
                     "tokens": tokens,
                     "sec": sections,
+                    "tc": t_coll,
                 }
             )
         for spec in self._injects:
