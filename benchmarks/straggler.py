@@ -40,7 +40,7 @@ GPT = ROOT / "examples" / "gpt" / "train.py"
 SMALL = ["--n-embd", "32", "--n-layer", "1", "--n-head", "2", "--block-size", "32",
          "--batch-size", "4", "--data-max-bytes", "200000"]  # fmt: skip
 CONFIG = 'preflight = "off"\nheartbeat_s = 0.2\n'
-WINDOW = 10
+WINDOW = 20
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 
 
@@ -175,7 +175,7 @@ def overhead(tmp: Path, steps: int, block: int) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--slow-from", type=int, default=41)
     p.add_argument("--factors", default="1.2,1.5,2")
     p.add_argument("--quota-pct", type=int, default=20, help="cgroup: CPU %% of one core for node1")

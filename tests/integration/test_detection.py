@@ -67,7 +67,7 @@ def test_a_slow_rank_among_eight_is_named_with_its_node_and_alerted(tmp_path: Pa
     assert {a["rank"] for a in got} == {5}, got
     first = got[0]
     assert first["node"] == "node2" and first["windows"] == 3 and first["score"] > 0.05, first
-    assert first["steps"][1] <= 60, first  # three 10-step windows after start-up
+    assert first["steps"][1] <= 100, first  # three 20-step windows after start-up
     assert min(first["waiting_s"].values()) > first["own_wait_s"], first  # victims wait
     assert 'trainguard_alerts_total{kind="straggler"}' in metrics
     scores = {

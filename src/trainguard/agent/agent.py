@@ -590,7 +590,7 @@ class Agent:
                     self._steps.setdefault((self.generation, w.rank), []).append(
                         {
                             k: it.get(k)
-                            for k in ("step", "t_end", "dur", "loss", "tokens", "sec", "tc")
+                            for k in ("step", "t_end", "dur", "loss", "tokens", "sec", "tc", "gap")
                         }
                     )
             elif kind == "event":

@@ -3,27 +3,27 @@ records in, events out; the controller's executor feeds it and records the event
 
 Straggler (seed, section 六: one slow GPU drags the whole job). In a synchronous job every
 rank's step takes as long as the slowest one's, so step times cannot name the culprit. What
-differs is *when* each rank reaches the step's first collective: the culprit arrives late
-(it computes longer), its victims arrive early and wait. Per step, a rank's lateness is its
-arrival time (``tc``, wall clock, sent by the runtime) minus the median arrival over the
-ranks; per window of ``window_steps`` steps, its median. (Without collective timing the
-fallback is compute time, step minus time in collectives, against the median.) A window
-flags a rank when both
+differs is each rank's *own work*: the time from the end of its previous collective to the
+start of its next one (``gap``, sent by the runtime; the waiting is inside the collectives,
+so it is excluded). The culprit's own work is longer; its victims' is not, and they wait
+instead. Per step, a rank's score is its gap minus the median gap over the ranks; per window
+of ``window_steps`` (20) steps, the median of that. (Fallbacks, for scripts that time fewer
+collectives: arrival time at the step's first collective against the median rank, then
+step time minus time in collectives.) A window flags a rank when both
 
-- the seed's rule holds: its lateness exceeds the mean by ``sigma`` (2) standard
-  deviations, mean and deviation taken over the *other* ranks (with the suspect included,
-  one outlier among n ranks can never exceed (n−1)/√n deviations — 2.47 for 8 — so the
-  plain rule masks the very straggler it looks for), and
-- it arrives at least ``min_late`` (5%) of the median step time after the median rank: a
-  robust, scale-free floor that keeps the rule quiet when all ranks are equally fast,
+- the seed's rule holds: its score exceeds the mean by ``sigma`` (2) standard deviations,
+  mean and deviation taken over the *other* ranks (with the suspect included, one outlier
+  among n ranks can never exceed (n−1)/√n deviations — 2.47 for 8 — so the plain rule
+  masks the very straggler it looks for), and
+- it is at least ``min_late`` (5%) of the median step time above the median rank: a robust,
+  scale-free floor that keeps the rule quiet when all ranks are equally fast,
 
 and an alert needs ``persist_windows`` (3) flagged windows in a row (persistence, so a
 one-off hiccup — a GC pause, a checkpoint flush — is not a straggler). The alert clears
-after as many clean windows in a row; only then can the rank alert again. Arrival times of
-ranks on different hosts are compared by wall clock: NTP keeps them within a millisecond or
-so, far below the 5% of a step this needs; the pre-flight rejects a node skewed by > 1 s.
-Measured here (8 ranks sharing 2 cores, steps of ~0.1 s) clean windows stay within ±0.15
-step of the median rank, while a rank slowed to 1.2× sits at +0.1 to +0.3.
+after as many clean windows in a row; only then can the rank alert again. Chosen on runs
+here (8 ranks sharing 2 cores, steps of 50–150 ms): with 10-step windows rank 0, which also
+writes the metrics file, crossed the rule three times in 600 clean steps; with 20-step
+windows no rank did, and a rank slowed to 1.2× was named 80 steps after its slowdown began.
 
 Anomalies on rank 0's series (the example reports the mean loss over ranks):
 
@@ -54,7 +54,7 @@ Event = tuple[str, dict[str, Any]]
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class DetectConfig:
-    window_steps: int = 10
+    window_steps: int = 20
     persist_windows: int = 3
     sigma: float = 2.0
     min_late: float = 0.05
@@ -79,13 +79,13 @@ class StragglerDetector:
         self.world = 0
         self._first: dict[int, int] = {}  # rank → its first step in this generation (skipped)
         self._newest: dict[int, int] = {}  # rank → newest step reported
-        # step → rank → (arrival at the first collective or None, duration, communication)
-        self._steps: dict[int, dict[int, tuple[float | None, float, float]]] = {}
+        # step → rank → (own work or arrival time or None, duration, communication, which)
+        self._steps: dict[int, dict[int, tuple[float | None, float, float, str]]] = {}
         self._next_window: int | None = None
         self.streak: dict[int, int] = collections.defaultdict(int)
         self.clean: dict[int, int] = collections.defaultdict(int)  # clean windows in a row
         self.alerted: set[int] = set()
-        self.scores: dict[int, float] = {}  # rank → lateness / step time, newest window
+        self.scores: dict[int, float] = {}  # rank → excess own work / step time, newest window
         self.windows_done = 0
 
     def add(
@@ -105,9 +105,10 @@ class StragglerDetector:
             if step == first:
                 continue  # includes process start and restore
             comm = float((it.get("sec") or {}).get("communication", 0.0))
-            tc = it.get("tc")
+            own = it.get("gap") if it.get("gap") is not None else it.get("tc")
+            kind = "gap" if it.get("gap") is not None else "tc"
             row = self._steps.setdefault(step, {})
-            row[rank] = (float(tc) if tc is not None else None, float(it["dur"]), comm)
+            row[rank] = (float(own) if own is not None else None, float(it["dur"]), comm, kind)
         return self._evaluate()
 
     def _evaluate(self) -> list[Event]:
@@ -129,17 +130,16 @@ class StragglerDetector:
                 row = self._steps.pop(step, {})
                 if len(row) < 3:
                     continue
-                if all(tc is not None for tc, _, _ in row.values()):
-                    mid = statistics.median(tc for tc, _, _ in row.values())  # type: ignore[type-var]
-                    arrive = {r: tc - mid for r, (tc, _, _) in row.items()}  # type: ignore[operator]
-                else:
-                    comp = {r: max(0.0, d - c) for r, (_, d, c) in row.items()}
-                    mid = statistics.median(comp.values())
-                    arrive = {r: v - mid for r, v in comp.items()}
-                for r, v in arrive.items():
-                    late[r].append(v)
+                kinds = {k for v, _, _, k in row.values() if v is not None}
+                if len(kinds) == 1 and all(v is not None for v, _, _, _ in row.values()):
+                    vals = {r: float(v) for r, (v, _, _, _) in row.items()}  # type: ignore[arg-type]
+                else:  # no collective timing: compute = step minus time in collectives
+                    vals = {r: max(0.0, d - c) for r, (_, d, c, _) in row.items()}
+                mid = statistics.median(vals.values())
+                for r, v in vals.items():
+                    late[r].append(v - mid)
                     comm[r].append(row[r][2])
-                durs += [d for _, d, _ in row.values()]
+                durs += [d for _, d, _, _ in row.values()]
             for old in [s for s in self._steps if s < lo]:
                 del self._steps[old]
             if late and durs:

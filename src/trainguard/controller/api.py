@@ -111,7 +111,7 @@ class JobConfig:
     # Straggler detection (controller/analysis.py): windows of this many steps; an alert after
     # this many flagged windows in a row. "alert" only, or "replace": quarantine the
     # straggler's node and replace it with a standby at the next checkpoint boundary.
-    straggler_window_steps: int = 10
+    straggler_window_steps: int = 20
     straggler_persist_windows: int = 3
     straggler_action: str = "alert"
     alert_webhook: str | None = None  # POST each alert there as JSON (5 s timeout)

@@ -49,8 +49,8 @@ class Monitor:
         )
         self.g_score = Gauge(
             "trainguard_straggler_score",
-            "How late a rank reaches the step's first collective, as a fraction of the step "
-            "(median over the newest window)",
+            "A rank's own work between collectives minus the median rank's, as a fraction of "
+            "the step (median over the newest window)",
             ["rank"],
             registry=r,
         )

@@ -70,7 +70,9 @@ class Store:
                     it["dur"],
                     it.get("loss"),
                     it.get("tokens"),
-                    json.dumps({**(it.get("sec") or {}), "t_coll": it.get("tc")}),
+                    json.dumps(
+                        {**(it.get("sec") or {}), "t_coll": it.get("tc"), "gap": it.get("gap")}
+                    ),
                 )
                 for it in items
             ],

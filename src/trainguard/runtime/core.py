@@ -82,6 +82,8 @@ class Runtime:
         self.coll_issued = 0
         self.coll_done = 0
         self._first_issue: float | None = None
+        self._last_done: float | None = None  # when its newest collective completed
+        self._gap: float | None = None
         addr = env.get(api.ENV_AGENT_ADDR)
         if addr:
             host, _, port = addr.rpartition(":")
@@ -142,11 +144,15 @@ class Runtime:
                 self._maybe_fire(spec, spec.step, 0.0)
         self.coll_issued += 1
         if self._first_issue is None:
-            self._first_issue = time.time()  # when this rank reached the step's first collective
+            now = time.time()  # this rank reached the step's first collective
+            self._first_issue = now
+            if self._last_done is not None:  # own work since its previous collective ended
+                self._gap = now - self._last_done
         return time.perf_counter()
 
     def collective_done(self, t0: float) -> None:
         self.coll_done += 1
+        self._last_done = time.time()
         if self.timing:
             self.add_time("communication", time.perf_counter() - t0)
 
@@ -173,6 +179,7 @@ class Runtime:
         with self._sec_lock:
             sections, self._sections = self._sections, {}
         t_coll, self._first_issue = self._first_issue, None
+        gap, self._gap = self._gap, None
         if self._agent is not None:
             self._queue.put(
                 {
@@ -184,6 +191,7 @@ class Runtime:
                     "tokens": tokens,
                     "sec": sections,
                     "tc": t_coll,
+                    "gap": gap,
                 }
             )
         for spec in self._injects:
