@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,9 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_overhead import step_times  # noqa: E402  (rank 0's step records of a run)
+
 GPT = ROOT / "examples" / "gpt" / "train.py"
 SMALL = ["--n-embd", "32", "--n-layer", "1", "--n-head", "2", "--block-size", "32",
          "--batch-size", "4", "--data-max-bytes", "200000"]  # fmt: skip
@@ -131,22 +133,12 @@ def detect_cgroup(tmp: Path, steps: int, slow_from: int, quota_pct: int) -> dict
     return _result(tmp / name, slow_from, [2, 3])
 
 
-def _durations(run_dir: Path) -> list[tuple[int, float]]:
-    db = sqlite3.connect(run_dir / "job.sqlite")
-    try:
-        return db.execute(
-            "SELECT step, duration_s FROM steps WHERE rank = 0 ORDER BY step"
-        ).fetchall()
-    finally:
-        db.close()
-
-
 def overhead(tmp: Path, steps: int, block: int) -> dict[str, Any]:
     p = _run(tmp, "ab", ["--nproc-per-node", "2"],
              ["--steps", str(steps), "--ckpt-every", "0", "--timing-ab", str(block)])  # fmt: skip
     _finish(p)
     blocks: dict[int, list[float]] = {}
-    for step, dur in _durations(tmp / "ab"):
+    for step, dur in step_times(tmp / "ab"):
         b, pos = divmod(step - 1, block)
         if b >= 2 and pos > 0:
             blocks.setdefault(b, []).append(dur)
@@ -161,7 +153,7 @@ def overhead(tmp: Path, steps: int, block: int) -> dict[str, Any]:
         p = _run(tmp, name, ["--nproc-per-node", "2"],
                  ["--steps", str(steps // 2), "--ckpt-every", "0", *extra])  # fmt: skip
         _finish(p)
-        whole[name] = statistics.median(d for s, d in _durations(tmp / name) if s > 5)
+        whole[name] = statistics.median(d for s, d in step_times(tmp / name) if s > 5)
     return {
         "median_step_s_timing_on": statistics.median(on),
         "median_step_s_timing_off": statistics.median(off),

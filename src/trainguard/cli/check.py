@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import datetime
 import json
 import logging
 import os
 import sys
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -44,20 +42,9 @@ POLL_S = 0.5
 
 
 def _check_config(args: argparse.Namespace) -> CheckConfig:
-    extra: dict[str, Any] = {}
-    if args.config is not None:
-        try:
-            extra = tomllib.loads(args.config.read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(
-                f"--config {args.config}: {e}; give a TOML file of CheckConfig fields"
-            ) from None
-        known = {f.name for f in dataclasses.fields(CheckConfig)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+    from trainguard.cli.run import load_fields
+
+    extra = load_fields(args.config, CheckConfig)
     if args.level is not None:
         extra["level"] = args.level
     try:

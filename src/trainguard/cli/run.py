@@ -54,6 +54,28 @@ def parse_nodes(text: str | None) -> tuple[int | None, int | None]:
     return nmin, nmax
 
 
+def load_fields(
+    path: Path | None, cls: Any, *, skip: frozenset[str] | set[str] = frozenset()
+) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` set in the TOML file ``path`` ({} without one).
+    Raises ValueError naming an unreadable file or unknown fields."""
+    if path is None:
+        return {}
+    try:
+        extra = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(
+            f"--config {path}: {e}; give a readable TOML file of {cls.__name__} fields"
+        ) from None
+    known = {f.name for f in dataclasses.fields(cls)} - skip
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(
+            f"--config {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return extra
+
+
 def build_config(args: argparse.Namespace) -> JobConfig:
     """Validate flags and the config file into a JobConfig. Raises ValueError naming the fix."""
     script = Path(args.script)
@@ -62,25 +84,9 @@ def build_config(args: argparse.Namespace) -> JobConfig:
             f"script {args.script!r} not found; pass the path of a Python training script"
         )
     run_dir = args.run_dir or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    extra: dict[str, Any] = {}
-    if args.config is not None:
-        try:
-            extra = tomllib.loads(args.config.read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(
-                f"--config {args.config}: {e}; give a readable TOML file of JobConfig fields"
-            ) from None
-        known = {f.name for f in dataclasses.fields(JobConfig)} - {
-            "script",
-            "script_args",
-            "run_dir",
-            "injects",
-        }
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"--config {args.config}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+    extra = load_fields(
+        args.config, JobConfig, skip={"script", "script_args", "run_dir", "injects"}
+    )
     min_nodes, nodes = parse_nodes(args.nodes)
     flags = {
         "nodes": nodes,
