@@ -170,10 +170,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--slow-from", type=int, default=41)
     p.add_argument("--factors", default="1.2,1.5,2")
-    p.add_argument("--quota-pct", type=int, default=20, help="cgroup: CPU %% of one core for node1")
+    p.add_argument("--quota-pct", type=int, default=5, help="cgroup: CPU %% of one core for node1")
     p.add_argument("--overhead-steps", type=int, default=400)
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--skip-cgroup", action="store_true")
+    p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tg-straggler-"))
@@ -187,6 +188,8 @@ def main() -> int:
             out["cgroup"] = r = detect_cgroup(tmp, args.steps, args.slow_from, args.quota_pct)
             if not args.json:
                 print(f"cgroup {args.quota_pct}% CPU on node1: {r}", flush=True)
+        if args.skip_overhead:
+            return 0
         out["overhead"] = r = overhead(tmp, args.overhead_steps, args.block)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
