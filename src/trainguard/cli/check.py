@@ -68,7 +68,7 @@ class Progress:
                 if (stage, n) not in self.seen:
                     self.seen.add((stage, n))
                     took = ", ".join(f"{k} {v:.2f}s" for k, v in times.items())
-                    self._say(t, f"  {n}: {took}")
+                    self.say(t, f"  {n}: {took}")
         if run["stage"] != self.stage:
             self.stage = run["stage"]
             n_net = len(run.get("net_nodes") or [])
@@ -79,12 +79,12 @@ class Progress:
                 else "simulated training (one node: no partner for collectives)",
                 "done": f"finished in {run.get('stage_s', {}).get('total', 0):.1f}s",
             }
-            self._say(
+            self.say(
                 t, f"pre-flight {run['run']} ({run['level']}): {self.stage}: {what[self.stage]}"
             )
 
     @staticmethod
-    def _say(t: float, text: str) -> None:
+    def say(t: float, text: str) -> None:
         print(f"[{t:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
@@ -172,7 +172,7 @@ async def _local(
         cluster = Cluster(cfg, f"{host}:{port}", token_file)
         cluster.start()
     progress = Progress()
-    progress._say(0.0, f"waiting for {cfg.nodes} agent(s) to report (controller {host}:{port})")
+    progress.say(0.0, f"waiting for {cfg.nodes} agent(s) to report (controller {host}:{port})")
     done = asyncio.ensure_future(controller.wait_done())
     try:
         while not done.done():

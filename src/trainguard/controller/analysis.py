@@ -88,7 +88,6 @@ class StragglerDetector:
         self.clean: dict[int, int] = collections.defaultdict(int)  # clean windows in a row
         self.alerted: set[int] = set()
         self.scores: dict[int, float] = {}  # rank → excess own work / step time, newest window
-        self.windows_done = 0
 
     def add(
         self, generation: int, world: int, rank: int, items: list[dict[str, Any]]
@@ -153,7 +152,6 @@ class StragglerDetector:
                     hi,
                 )
             self._next_window = k + 1
-            self.windows_done += 1
 
     def _judge(
         self, late: dict[int, float], comm: dict[int, float], step_s: float, lo: int, hi: int

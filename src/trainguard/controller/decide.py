@@ -494,10 +494,8 @@ def decide(
                 s.recovery.t_cleaned = max([o.cleaned_at or now for o in acks], default=now)
             _goto(s, Phase.CLEANING, now, events, "every live node stopped its workers")
 
-    if s.phase == Phase.CLEANING and s.growing and s.evict and not s.stop_requested:
-        _evict_and_restart(s, obs, now, cfg, events, durable)
-    elif s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
-        _grow_and_restart(s, obs, now, cfg, events, durable)
+    if s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
+        _planned_restart(s, obs, now, cfg, events, durable)
     elif s.phase == Phase.CLEANING:
         if s.recovery is None or s.stop_requested:  # a stop requested mid-recovery ends the job
             if s.recovery is not None:
@@ -742,7 +740,7 @@ def _can_grow(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) 
     )
 
 
-def _grow_and_restart(
+def _planned_restart(
     s: JobState,
     obs: dict[str, NodeObs],
     now: float,
@@ -750,8 +748,21 @@ def _grow_and_restart(
     events: list[Event],
     durable: list[tuple[int, int]],
 ) -> None:
+    """After a planned stop (workers saved; no fault, no budget): each node in ``s.evict`` is
+    quarantined and a healthy standby takes its node rank; otherwise (elastic) standbys join
+    up to ``cfg.nodes``."""
     s.growing = False
-    joining = _healthy_standby(s, obs, now, cfg)[: cfg.nodes - len(s.assignment)]
+    spare = _healthy_standby(s, obs, now, cfg)
+    if s.evict:
+        for node, why in sorted(s.evict.items()):
+            if node in s.assignment and spare:
+                rank = s.assignment.pop(node)
+                mark_faulty(s, node, now, cfg, events, why)
+                s.assignment[spare.pop(0)] = rank
+        s.evict = {}
+        _start_generation(s, obs, cfg, now, events, durable, "replaced a straggler node")
+        return
+    joining = spare[: cfg.nodes - len(s.assignment)]
     before = len(s.assignment)
     for n in joining:
         s.assignment[n] = len(s.assignment)
@@ -769,27 +780,6 @@ def _grow_and_restart(
         )
     )
     _start_generation(s, obs, cfg, now, events, durable, f"grow to {len(s.assignment)} nodes")
-
-
-def _evict_and_restart(
-    s: JobState,
-    obs: dict[str, NodeObs],
-    now: float,
-    cfg: JobConfig,
-    events: list[Event],
-    durable: list[tuple[int, int]],
-) -> None:
-    """Quarantine the nodes in ``s.evict``; each standby takes an evicted node's rank."""
-    s.growing = False
-    spare = _healthy_standby(s, obs, now, cfg)
-    for node, why in sorted(s.evict.items()):
-        if node not in s.assignment or not spare:
-            continue
-        rank = s.assignment.pop(node)
-        mark_faulty(s, node, now, cfg, events, why)
-        s.assignment[spare.pop(0)] = rank
-    s.evict = {}
-    _start_generation(s, obs, cfg, now, events, durable, "replaced a straggler node")
 
 
 def _start_generation(

@@ -225,8 +225,9 @@ class Preflight:
         run = self.active
         if run is None:
             return None
-        if self._tcp_error and run.stage == "node":
-            log.error("pre-flight rendezvous store failed: %s", self._tcp_error)
+        if self._tcp_error:  # no rendezvous for the net stage: end the run with the reason
+            self.abandon(now, f"pre-flight rendezvous store failed: {self._tcp_error}")
+            return self.runs[run.id]
         results = run.node_results if run.stage == "node" else run.net_results
         waiting = [n for n, r in results.items() if r is None and n in alive]
         if waiting and now < run.deadline:
