@@ -1,4 +1,4 @@
-"""Train a small byte-level GPT with DDP over gloo; the main job of trainguard's demo.
+"""Train a small byte-level GPT with DDP (or FSDP2, ``--fsdp``) over gloo; trainguard's main job.
 
 Runs unchanged under ``trainguard run`` or ``torchrun`` (or alone, one process).
 Deterministic for a given seed and world size: the checkpoint holds model,
@@ -6,6 +6,10 @@ optimizer, step, per-rank RNG states and data position, so a resumed run produce
 the same per-step losses as one without a fault. Rank 0 appends
 ``{"step": N, "loss": X, "time": T}`` per step to ``<run dir>/metrics.jsonl``.
 SIGTERM: every rank finishes its step, the job saves a checkpoint and exits 0.
+
+With ``--fsdp`` every block and the root are sharded with FSDP2 (``fully_shard`` on a 1-D
+``DeviceMesh`` over all ranks): model and optimizer state are DTensors, each rank holding
+only its shards, and trainguard snapshots, replicates and persists just those shards.
 
 Each step is timed in sections (data, forward, backward, optimizer) and its collectives
 (DDP's gradient all-reduce, the loss all-reduce) as communication, for trainguard's
@@ -66,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="benchmark: section timing on and off in alternating blocks of BLOCK steps",
     )
     p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters, gradients and optimizer state with FSDP2 instead of DDP",
+    )
+    p.add_argument(
         "--no-time-ddp",
         action="store_true",
         help="benchmark: DDP's built-in all-reduce, untimed (no trainguard comm hook)",
@@ -101,7 +110,7 @@ class TrainState(Stateful):
 
     def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model, self.optim, self.step = model, optim, 0
-        self.module = model.module if isinstance(model, DDP) else model
+        self.module = model.module if isinstance(model, DDP) else model  # FSDP2: in place
         get_state_dict(model, optim)  # once: creates the optimizer state a restore fills in
         self._names = [n for n, _ in self.module.named_parameters()]
 
@@ -154,9 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(cfg)
-    ddp = DDP(model) if distributed else model
-    if distributed and not args.no_time_ddp:
-        trainguard.time_ddp(ddp)  # DDP's own all-reduce, timed as communication
+    if args.fsdp and distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root: embeddings (tied to the head), final norm
+        ddp: torch.nn.Module = model
+    else:
+        ddp = DDP(model) if distributed else model
+        if distributed and not args.no_time_ddp:
+            trainguard.time_ddp(ddp)  # DDP's own all-reduce, timed as communication
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank stream (dropout)
     shards = args.dp_ranks or world
@@ -205,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                     x = torch.randint(0, cfg.vocab_size, x.shape, generator=g)
                     y = torch.randint(0, cfg.vocab_size, y.shape, generator=g)
             last_shard = i == len(samplers) - 1
-            with contextlib.nullcontext() if last_shard or not distributed else ddp.no_sync():
+            if args.fsdp and distributed:  # FSDP2: reduce-scatter only after the last micro-batch
+                ddp.set_requires_gradient_sync(last_shard)  # type: ignore[operator]
+            no_sync = not (last_shard or not distributed or args.fsdp)
+            with ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
                 with rt.section("forward"):
                     loss = ddp(x, y)
                     if drill == "nan":

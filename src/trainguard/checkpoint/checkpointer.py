@@ -23,7 +23,6 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import pickle
 import socket
 import threading
 import time
@@ -34,11 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainguard.checkpoint import snapshot, storage
+from trainguard.checkpoint import device, snapshot, storage
+from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import (
     PER_RANK_KEY,
     CheckpointCorruptError,
@@ -53,6 +52,11 @@ from trainguard.runtime.core import init as runtime_init
 SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
 DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
 VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", None)  # a DTensor's storage is its local tensor's
+    return int((local if local is not None else t).untyped_storage().data_ptr())
 
 
 def _rank_world() -> tuple[int, int]:
@@ -237,15 +241,23 @@ class Checkpointer:
         self._copy_error: BaseException | None = None
         self._last_durable: int | None = None
         self._tier = "memory"  # where the last load came from (memory | replica | durable)
+        self._codec = state_mod.ObjectCodec()
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._stager: device.Stager | None = None  # pinned staging of GPU entries
+        self._device_hold: tuple[device.Stager, device.Event] | None = None
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
-        """Snapshot ``state`` as ``step``. Blocks for the memory copy only (or, with
-        ``overlap``, not even that). ``durable``: force (True) or skip (False) the disk
-        tier for this step; default: ``step % durable_every == 0``.
+        """Snapshot ``state`` as ``step``. Blocks for the memory copy only; with ``overlap``,
+        the tensors of attached optimizers (parameters, optimizer state) are copied in the
+        background, everything else (buffers, counters, RNG and data state) before ``save``
+        returns, so the snapshot is one consistent step even when the next forward changes
+        buffers. ``durable``: force (True) or skip (False) the disk tier for this step;
+        default: ``step % durable_every == 0``.
 
-        Raises CheckpointError when the snapshot cannot be staged (e.g. /dev/shm too
-        small; the message says how to fix it). Nothing already saved is touched.
+        Raises CheckpointError when the snapshot cannot be staged (e.g. /dev/shm too small,
+        a value that cannot be serialized: the message names the key and the fix). Nothing
+        already saved is touched.
         """
         self.wait_staged()
         durable = (
@@ -257,11 +269,11 @@ class Checkpointer:
             self._save_sync(step, state)
             return
         rank, world = _rank_world()
-        tensors, objects, mappings = self._flatten(state, rank)
-        blob = pickle.dumps(objects)
+        flat = state_mod.flatten(state, rank)
+        blob = state_mod.pack_objects(self._codec.encode(flat.objects))
         backend = self._connect()
-        if self._layout is None or not self._layout.fits(tensors, len(blob)):
-            self._allocate(backend, rank, tensors, len(blob))
+        if self._layout is None or not self._layout.fits(flat.tensors, len(blob)):
+            self._allocate(backend, rank, flat.tensors, len(blob))
         assert self._layout is not None
         slot, lockf = self._take_slot(durable)
         if slot is None:
@@ -274,25 +286,52 @@ class Checkpointer:
             "world_size": world,
             "durable": durable,
             "time": time.time(),
-            "mappings": {k: list(v) for k, v in mappings.items()},
+            "mappings": {k: list(v) for k, v in flat.mappings.items()},
+            "shards": {k: r.to_json() for k, r in flat.shards.items()},
         }
         layout = self._layout
+        srcs = list(flat.tensors.values())
+        late = self._optimizer_owned(srcs) if self.overlap else set()
+        on_dev = [i for i, t in enumerate(srcs) if device.is_device(t)]
+        now_host = [i for i in range(len(srcs)) if i not in late and i not in on_dev]
+        late_host = [i for i in sorted(late) if i not in on_dev]
+        events: list[device.Event] = []
+        host_srcs = srcs
+        if on_dev:
+            stager = self._stager_for(srcs, on_dev)
+            groups = [[i for i in on_dev if i not in late], [i for i in on_dev if i in late]]
+            events = stager.start(srcs, groups)
+            stager.hold(events[0])  # the next forward's kernels queue behind the buffer copies
+            self._device_hold = (stager, events[1])  # the optimizer's pre-hook holds on this
+            host_srcs = list(srcs)
+            for i in on_dev:
+                host_srcs[i] = stager.buffers[i]
         slot.begin()
+        try:
+            slot.write_tensors(layout, srcs, now_host)
+        except BaseException:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+            lockf.close()
+            raise
 
         def finish() -> None:
             try:
-                slot.write_tensors(layout, tensors)
+                slot.write_tensors(layout, srcs, late_host)
+                self._copied.set()  # the optimizer may write the host parameters now
+                for ev in events:
+                    ev.synchronize()
+                slot.write_tensors(layout, host_srcs, on_dev)
                 slot.commit(layout, blob, meta)
                 self._newest = self._slots.index(slot)
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
                 lockf.close()
-                self._copied.set()  # the optimizer may write the parameters now
+                self._copied.set()
             backend.staged(rank, slot.path, step, self._rt.generation, durable)
             if durable:
                 self._last_durable = step
 
-        if self.overlap:
+        if self.overlap and (late or on_dev):
 
             def run() -> None:
                 try:
@@ -305,6 +344,26 @@ class Checkpointer:
             self._copy.start()
         else:
             finish()
+
+    def _optimizer_owned(self, srcs: list[torch.Tensor]) -> set[int]:
+        """Indices of ``srcs`` whose storage belongs to an attached optimizer's parameters or
+        state: only ``optimizer.step()`` writes those, and it waits for the copy."""
+        owned: set[int] = set()
+        for opt in self._optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    owned.add(_storage_ptr(p))
+                    for v in opt.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            owned.add(_storage_ptr(v))
+        owned.discard(0)
+        return {i for i, t in enumerate(srcs) if _storage_ptr(t) in owned}
+
+    def _stager_for(self, srcs: list[torch.Tensor], on_dev: list[int]) -> device.Stager:
+        if self._stager is None or set(self._stager.buffers) != set(on_dev):
+            dev = srcs[on_dev[0]].device
+            self._stager = device.Stager({i: srcs[i] for i in on_dev}, device.backend_for(dev))
+        return self._stager
 
     def wait_copied(self, timeout_s: float = SLOT_WAIT_S) -> None:
         """Block until the last background copy is in memory (its notification to the
@@ -328,8 +387,19 @@ class Checkpointer:
             raise CheckpointError(f"staging the snapshot failed: {err}") from err
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.step()`` wait for a background copy first (overlap mode)."""
-        optimizer.register_step_pre_hook(lambda *_: self.wait_copied())
+        """Make ``optimizer.step()`` wait for a background copy first (overlap mode): on the
+        host for host tensors; for GPU tensors the current stream waits for the device →
+        pinned copy (the host does not block). Only tensors of attached optimizers are
+        copied in the background."""
+        self._optimizers.append(optimizer)
+        optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+
+    def _before_optimizer_step(self) -> None:
+        self.wait_copied()
+        if self._device_hold is not None:
+            stager, event = self._device_hold
+            self._device_hold = None
+            stager.hold(event)
 
     def _connect(self) -> _Local | _Remote:
         if self._backend is None:
@@ -347,6 +417,7 @@ class Checkpointer:
         paths = backend.alloc(rank, self._layout.total_bytes)
         self._slots = [snapshot.Slot(p, writable=True) for p in paths]
         self._newest = -1
+        self._stager = None
 
     def _take_slot(self, durable: bool) -> tuple[snapshot.Slot | None, Any]:
         """Lock a slot the persister does not hold: prefer the one without the newest snapshot."""
@@ -374,7 +445,11 @@ class Checkpointer:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = storage.tmp_dir(self.root, step, self._rt.generation)
         try:
-            dcp.save(self._with_rank_key(state, _rank_world()[0]), checkpoint_id=str(tmp))
+            dcp.save(
+                state_mod.with_rank_key(state, _rank_world()[0]),
+                checkpoint_id=str(tmp),
+                planner=state_mod.TypedSavePlanner(),
+            )
             if _rank_world()[0] == 0:
                 storage.commit(tmp, self.root, step, generation=self._rt.generation)
                 storage.prune(
@@ -391,9 +466,14 @@ class Checkpointer:
         Under ``trainguard run`` the step is the one the controller chose for every rank
         (``$TRAINGUARD_RESTORE_STEP``); this rank reads it from its fastest verified tier:
         its memory snapshot, else the durable copy. Standalone: the newest verified durable
-        step. A corrupt copy is skipped with an event, never loaded. Raises
-        CheckpointNotFoundError / CheckpointCorruptError when no verified copy of the
-        agreed step exists.
+        step. A corrupt copy is skipped with an event, never loaded. Keys the live state
+        does not have yet (optimizer state created at the first ``step()``) are created from
+        the saved ones. Sharded values (DTensor) restore from memory when this rank's shards
+        are unchanged, else from the durable tier, resharded by DCP to the current mesh.
+
+        Raises CheckpointNotFoundError / CheckpointCorruptError when no verified copy of the
+        agreed step exists; CheckpointError when the saved state cannot be put into this one
+        (the message names the key).
         """
         rank, _ = _rank_world()
         if self._rt.supervised:
@@ -424,26 +504,46 @@ class Checkpointer:
                 return None
             t0 = time.time()
             self._rt.event("ckpt_load_start", step=step)
-        flat = self._with_rank_key(state, rank)
-        path = storage.step_dir(self.root, step)
-        mine = f"{PER_RANK_KEY}.{rank}"
-        if mine in flat:
-            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            if not any(k == mine or k.startswith(mine + ".") for k in saved):
-                # The world grew: no rank had this number when the step was saved. The
-                # replicated state is all there; this rank's own state starts fresh.
-                del flat[mine]
-                self._rt.event("ckpt_per_rank_absent", step=step, rank=rank)
-        # no_dist: each rank reads its own keys; a collective here would deadlock against
-        # ranks that restore from memory instead.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(flat, checkpoint_id=str(path), no_dist=True)
-        for key in state:
-            if key != PER_RANK_KEY:
-                state[key] = flat[key]
+        self._load_durable(state, rank, step)
         self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
         return step
+
+    def _load_durable(self, state: dict[str, Any], rank: int, step: int) -> None:
+        path = storage.step_dir(self.root, step)
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+        saved_md = md.state_dict_metadata
+        conv = state_mod.converted(state, rank)
+        mine = f"{PER_RANK_KEY}.{rank}"
+        if mine in conv and not any(k == mine or k.startswith(mine + ".") for k in saved_md):
+            # The world grew: no rank had this number when the step was saved. The
+            # replicated state is all there; this rank's own state starts fresh.
+            del conv[mine]
+            self._rt.event("ckpt_per_rank_absent", step=step, rank=rank)
+        live, _ = state_mod.flatten_typed(conv)
+        paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+        saved = {
+            k: (
+                (m.properties.dtype, tuple(m.size), tuple(paths.get(k, ())))
+                if isinstance(m, TensorStorageMetadata)
+                else (None, (), tuple(paths.get(k, ())))
+            )
+            for k, m in saved_md.items()
+        }
+        filled = state_mod.fill_missing(conv, live, saved)
+        state_mod.replace_overlapping(conv)
+        if filled:
+            self._rt.event("ckpt_keys_created", step=step, tier="durable", count=len(filled))
+        # no_dist: each rank reads its own keys (DTensor targets: the chunks overlapping its
+        # shard); a collective here would deadlock against ranks that restore from memory.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(
+                conv,
+                checkpoint_id=str(path),
+                planner=state_mod.TypedLoadPlanner(),
+                no_dist=True,
+            )
+        state_mod.apply(state, conv, rank)
 
     def _load_memory(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
         name_job = os.environ.get(rt_api.ENV_JOB_ID, "")
@@ -480,54 +580,64 @@ class Checkpointer:
             sums = None if path.name == verified else snapshot.read_sums(path, step, gen)
             if sums is None and path.name != verified:
                 continue
-            converted = self._converted(state, rank)
-            flat, mappings = flatten_state_dict(converted)
-            targets = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
             try:
-                objects = snapshot.restore(path, h, sums, targets, snapshot.restore_threads())
+                self._restore_slot(state, rank, path, h, sums)
             except CheckpointCorruptError as e:
                 self._rt.event("ckpt_corrupt", step=step, tier="memory", problems=[str(e)])
                 backend.forget(path)  # out of the memory index: the next restore point skips it
                 return False
-            for key, value in objects.items():
-                set_element(converted, mappings[key], value)
-            for key, value in state.items():
-                if isinstance(value, Stateful):
-                    value.load_state_dict(converted[key])
-                elif key == PER_RANK_KEY:
-                    value.update(converted[f"{PER_RANK_KEY}.{rank}"])
-                else:
-                    state[key] = converted[key]
+            except CheckpointError as e:  # the snapshot does not fit this state: use DCP's
+                self._rt.event("ckpt_memory_mismatch", step=step, problem=str(e))
+                return False
             return True
         return False
 
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _with_rank_key(state: dict[str, Any], rank: int) -> dict[str, Any]:
-        flat = {k: v for k, v in state.items() if k != PER_RANK_KEY}
-        if PER_RANK_KEY in state:
-            flat[f"{PER_RANK_KEY}.{rank}"] = state[PER_RANK_KEY]
-        return flat
-
-    def _converted(self, state: dict[str, Any], rank: int) -> dict[str, Any]:
-        return {
-            k: (v.state_dict() if isinstance(v, Stateful) else v)
-            for k, v in self._with_rank_key(state, rank).items()
-        }
-
-    def _flatten(
-        self, state: dict[str, Any], rank: int
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
-        """DCP's own flattening (so durable keys match plain ``dcp.load``): tensors and objects."""
-        flat, mappings = flatten_state_dict(self._converted(state, rank))
-        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        for k, t in tensors.items():
-            if t.is_sparse or getattr(t, "_local_tensor", None) is not None:
+    def _restore_slot(
+        self,
+        state: dict[str, Any],
+        rank: int,
+        path: Path,
+        h: dict[str, Any],
+        sums: dict[str, list[int]] | None,
+    ) -> None:
+        """Copy one verified slot into ``state``. Raises CheckpointError (nothing written
+        yet) when the snapshot does not fit the live state, CheckpointCorruptError on a
+        checksum mismatch."""
+        conv = state_mod.converted(state, rank)
+        mappings = {k: tuple(v) for k, v in h.get("mappings", {}).items()}
+        shards = {k: state_mod.ShardRecord.from_json(v) for k, v in h.get("shards", {}).items()}
+        live = state_mod.flatten_converted(conv)
+        saved: dict[str, tuple[torch.dtype | None, tuple[int, ...], tuple[Any, ...]]] = {}
+        for e in h["layout"]["tensors"]:
+            rec = shards.get(e["key"])
+            fqn = rec.fqn if rec is not None else e["key"]
+            if fqn in live.mappings:
+                continue
+            if rec is not None:
                 raise CheckpointError(
-                    f"{k}: sparse and distributed tensors need memory_tier = false (DCP direct)"
+                    f"{fqn}: the live state has no value for this sharded tensor (optimizer "
+                    "state created lazily?); build the state with torch.distributed.checkpoint"
+                    ".state_dict.get_state_dict(model, optimizer), which creates it"
                 )
-        objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-        return tensors, objects, mappings
+            saved[fqn] = (getattr(torch, e["dtype"]), tuple(e["shape"]), mappings.get(fqn, ()))
+        if saved and state_mod.fill_missing(conv, live.mappings, saved):
+            self._rt.event("ckpt_keys_created", step=h["step"], tier="memory", count=len(saved))
+            live = state_mod.flatten_converted(conv)
+        for key, rec in shards.items():
+            have = live.shards.get(key)
+            if have is None or (have.global_shape, have.offset) != (rec.global_shape, rec.offset):
+                raise CheckpointError(
+                    f"{key}: this rank's shard of {rec.fqn} differs from the snapshot's "
+                    f"(offset {rec.offset} of {rec.global_shape})"
+                )
+        objects, replaced = snapshot.restore(
+            path, h, sums, live.tensors, snapshot.restore_threads()
+        )
+        for key, raw in objects.items():
+            set_element(conv, mappings.get(key) or live.mappings[key], state_mod.decode_object(raw))
+        for key, tensor in replaced.items():
+            set_element(conv, live.mappings[key], tensor)
+        state_mod.apply(state, conv, rank)
 
     # ------------------------------------------------------------------ durability
     def wait(self, timeout_s: float = DURABLE_WAIT_S) -> None:

@@ -36,12 +36,21 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import WriteItem
 
 from trainguard.checkpoint import snapshot, storage
+from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import DCP_METADATA, PER_RANK_KEY
 
 log = logging.getLogger("trainguard.persister")
@@ -120,12 +129,37 @@ class _ChecksummingFileSystem(FileSystem):
             self.sums[str(new_path)] = self.sums.pop(str(path))
 
 
+class Opaque:
+    """A non-tensor value as the ``torch.save`` bytes the worker made of it (state.py)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+
+class _OpaquePlanner(DefaultSavePlanner):
+    """DCP's planner, writing an ``Opaque`` value's bytes as they are: the same bytes DCP
+    writes for the value itself (``torch.save``), without unpickling it here."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002
+        if isinstance(object, Opaque):
+            return io.BytesIO(object.raw)
+        return super().transform_object(write_item, object)
+
+
 def write_part(
-    part: Path, tensors: dict[str, Any], objects: dict[str, Any], mappings: dict[str, list[Any]]
+    part: Path,
+    tensors: dict[str, Any],
+    objects: dict[str, Any],
+    mappings: dict[str, list[Any]],
+    shards: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, object]]:
     """One rank's state as a single-process DCP checkpoint in ``part``; returns its file sums
     (size and CRC-32C, computed as the files are written). ``mappings``: DCP flatten mappings
-    (key → nested path), kept for the merged metadata.
+    (key → nested path), kept for the merged metadata; ``shards``: entry key → ShardRecord
+    JSON of the entries that are chunks of a global tensor (merged by ``merge_and_commit``).
+    ``objects`` may hold ``Opaque`` values (written as their bytes).
 
     Raises OSError (e.g. ENOSPC) or RuntimeError from DCP on a failed write; ``part`` is
     removed then.
@@ -139,14 +173,19 @@ def write_part(
         writer.fs = fs
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save({**tensors, **objects}, storage_writer=writer, no_dist=True)
+            dcp.save(
+                {**tensors, **objects},
+                storage_writer=writer,
+                planner=_OpaquePlanner(),
+                no_dist=True,
+            )
         on_disk = {str(p) for p in part.rglob("*") if p.is_file()}
         if set(fs.sums) != on_disk:  # DCP wrote a file some other way: checksum it from disk
             sums = storage.file_sums(part, prefix=f"{part.name}/")
         else:
             sums = {f"{part.name}/{Path(k).relative_to(part)}": v for k, v in fs.sums.items()}
         tmp = part / (DONE + ".tmp")
-        tmp.write_text(json.dumps({"files": sums, "mappings": mappings}))
+        tmp.write_text(json.dumps({"files": sums, "mappings": mappings, "shards": shards or {}}))
         os.replace(tmp, part / DONE)
         return sums
     except BaseException:
@@ -155,17 +194,44 @@ def write_part(
 
 
 def merge_and_commit(tmp: Path, root: Path, step: int, generation: int, world_size: int) -> Path:
-    """Merge every ``rank_<r>/.metadata`` into ``tmp/.metadata`` and commit the step."""
+    """Merge every ``rank_<r>/.metadata`` into ``tmp/.metadata`` and commit the step.
+
+    Plain keys are disjoint across parts (rank 0 holds the replicated state, rank r its
+    ``per_rank.<r>``). A sharded entry becomes one chunk (its global offset, its size) of the
+    global tensor it belongs to, as ``dcp.save`` would have described it; empty chunks
+    (FSDP's last ranks of a short dimension) are left out unless the tensor is empty."""
     merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
     files: dict[str, dict[str, object]] = {}
     for r in range(world_size):
         part = tmp / f"rank_{r}"
         with open(part / DCP_METADATA, "rb") as f:
             md: Metadata = pickle.load(f)  # written by our own persister on this filesystem
-        merged.state_dict_metadata.update(md.state_dict_metadata)
         done = json.loads((part / DONE).read_text())
+        shards = done.get("shards", {})
+        renamed: dict[str, MetadataIndex | None] = {}  # entry key → its chunk's index
+        for key, m in md.state_dict_metadata.items():
+            rec = shards.get(key)
+            if rec is None or not isinstance(m, TensorStorageMetadata):
+                merged.state_dict_metadata[key] = m
+                continue
+            size = torch.Size(rec["global_shape"])
+            whole = merged.state_dict_metadata.setdefault(
+                rec["fqn"], TensorStorageMetadata(properties=m.properties, size=size, chunks=[])
+            )
+            assert isinstance(whole, TensorStorageMetadata)
+            if m.size.numel() == 0 and (size.numel() > 0 or whole.chunks):
+                renamed[key] = None  # nothing to read from an empty chunk
+                continue
+            offset = torch.Size(rec["offset"])
+            whole.chunks.append(ChunkStorageMetadata(offsets=offset, sizes=m.size))
+            renamed[key] = MetadataIndex(rec["fqn"], offset, len(whole.chunks) - 1)
         merged.planner_data.update({k: tuple(v) for k, v in done["mappings"].items()})
         for index, info in (md.storage_data or {}).items():
+            if index.fqn in renamed:
+                new = renamed[index.fqn]
+                if new is None:
+                    continue
+                index = new
             info.relative_path = f"{part.name}/{info.relative_path}"
             merged.storage_data[index] = info
         files.update(done["files"])
@@ -365,15 +431,30 @@ class Persister:
                 if not durable:
                     return
                 tensors, blob = slot.views(h)
-                objects = pickle.loads(blob)  # written by our own worker into this node's memory
+                # Objects stay the worker's torch.save bytes: no user class is imported here.
+                objects = {k: Opaque(v) for k, v in state_mod.unpack_objects(blob).items()}
+                shards = h.get("shards", {})
+                tensors = {  # each chunk of a sharded tensor is written by one rank only
+                    k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]
+                }
                 if rank != 0:  # DCP semantics: replicated state is persisted once, from rank 0
                     mine = f"{PER_RANK_KEY}.{rank}"
-                    tensors = {k: v for k, v in tensors.items() if k.startswith(mine)}
-                    objects = {k: v for k, v in objects.items() if k.startswith(mine)}
+
+                    def own(k: str) -> bool:
+                        return k == mine or k.startswith(mine + ".")
+
+                    tensors = {k: v for k, v in tensors.items() if own(k) or k in shards}
+                    objects = {k: v for k, v in objects.items() if own(k)}
                 t0 = time.time()
                 part = storage.tmp_dir(self.root, step, gen) / f"rank_{rank}"
                 try:
-                    write_part(part, tensors, objects, h.get("mappings", {}))
+                    write_part(
+                        part,
+                        tensors,
+                        objects,
+                        h.get("mappings", {}),
+                        {k: shards[k] for k in tensors if k in shards},
+                    )
                 except WRITE_ERRORS as e:
                     needed = sum(int(t.numel() * t.element_size()) for t in tensors.values()) + len(
                         blob

@@ -2,9 +2,10 @@
 
 A slot is a file in ``/dev/shm`` (owned by the node's ckptd, mapped by the worker):
 
-    [0, 32)           magic "TGSNAP01" | state ("WRITING\\0" or "COMPLETE") | len | crc32c
+    [0, 32)           magic "TGSNAP02" | state ("WRITING\\0" or "COMPLETE") | len | crc32c
     [32, reserve)     the header: JSON with step, generation, rank and the layout
-    [reserve, end)    tensors, each 64-byte aligned, then the pickled non-tensor objects
+    [reserve, end)    tensors, each 64-byte aligned, then the object blob (a pickle of
+                      {key: torch.save bytes}: builtins only, see state.py)
 
 A writer sets the state to WRITING before it touches the data and to COMPLETE only
 after the data and the header are in place, so a writer killed mid-copy leaves a
@@ -22,7 +23,6 @@ import dataclasses
 import json
 import mmap
 import os
-import pickle
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,8 +32,9 @@ import crc32c
 import torch
 
 from trainguard.checkpoint.api import CheckpointCorruptError, CheckpointError
+from trainguard.checkpoint.state import overlaps, unpack_objects
 
-MAGIC = b"TGSNAP01"
+MAGIC = b"TGSNAP02"  # 02: object blob of torch.save bytes per key
 WRITING = b"WRITING\0"
 COMPLETE = b"COMPLETE"
 PREFIX_BYTES = 32
@@ -123,9 +124,11 @@ class Slot:
             os.close(fd)
         self.size = size
         self.buf = torch.frombuffer(self.mm, dtype=torch.uint8) if writable else None
+        self._dsts: tuple[Layout, list[torch.Tensor]] | None = None
 
     def close(self) -> None:
         self.buf = None
+        self._dsts = None
         with contextlib.suppress(
             BufferError
         ):  # a tensor still views it: unmapped when that tensor dies
@@ -135,12 +138,30 @@ class Slot:
     def begin(self) -> None:
         self.mm[8:16] = WRITING
 
-    def write_tensors(self, layout: Layout, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy every tensor into its place (one memcpy each; releases the GIL)."""
+    def destinations(self, layout: Layout) -> list[torch.Tensor]:
+        """One writable view of the slot per layout entry (built once per layout)."""
         assert self.buf is not None
-        with torch.no_grad():
-            for e, t in zip(layout.tensors, tensors.values(), strict=True):
-                _view(self.buf, e).copy_(t.detach())
+        if self._dsts is None or self._dsts[0] is not layout:
+            self._dsts = (layout, [_view(self.buf, e) for e in layout.tensors])
+        return self._dsts[1]
+
+    def write_tensors(
+        self,
+        layout: Layout,
+        tensors: list[torch.Tensor] | dict[str, torch.Tensor],
+        indices: list[int] | None = None,
+    ) -> None:
+        """Copy host tensors (any strides) into their places: entries ``indices`` (default
+        all) of ``layout``, ``tensors`` in layout order. One ``_foreach_copy_`` call: the
+        per-tensor cost of very many small tensors stays that of a memcpy loop."""
+        if isinstance(tensors, dict):
+            tensors = list(tensors.values())
+        dsts = self.destinations(layout)
+        idx = range(len(tensors)) if indices is None else indices
+        pairs = [(dsts[i], tensors[i].detach()) for i in idx if tensors[i].numel()]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
 
     def commit(self, layout: Layout, objects_blob: bytes, meta: dict[str, Any]) -> None:
         """Write the objects and the header, then mark the slot COMPLETE."""
@@ -219,31 +240,46 @@ def restore(
     sums: dict[str, list[int]] | None,
     targets: dict[str, torch.Tensor],
     threads: int = 2,
-) -> dict[str, Any]:
-    """Verify and copy a slot's tensors into ``targets`` (CPU tensors, same keys, shapes and
-    dtypes); ``sums=None``: copy only (ckptd verified the slot for this restart already). The slot is read with ``pread`` straight into the targets (no mapping of the
-    slot: setting up page tables for a fresh mapping costs as much as the copy). With
-    ``sums``, 1 MiB at a time, each chunk checksummed while it is in cache, so memory is
-    crossed once; without, 64 MiB reads (fewer calls: as fast as a memcpy here).
-    Pieces are shared among ``threads`` threads (pread and CRC-32C release the GIL).
-    Returns the unpickled objects.
+) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
+    """Verify and copy a slot's tensors into ``targets`` (same keys, shapes and dtypes, any
+    device and strides); ``sums=None``: copy only (ckptd verified the slot for this restart
+    already). The slot is read with ``pread`` (no mapping of the slot: setting up page tables
+    for a fresh mapping costs as much as the copy): straight into a target that is a
+    contiguous CPU tensor; else into a contiguous host buffer (pinned for a CUDA target),
+    which is then copied into the target (``copy_``: any strides; host → device for GPU
+    tensors). With ``sums``, 1 MiB at a time, each chunk checksummed while it is in cache, so
+    memory is crossed once; without, 64 MiB reads. Pieces are shared among ``threads``
+    threads (pread and CRC-32C release the GIL).
 
-    Raises CheckpointError when a target does not match, or the slot is shorter than its
-    header says; CheckpointCorruptError on any checksum mismatch (targets are then partly
-    overwritten: the caller restores them from another tier).
+    Returns the object blob's ``{key: torch.save bytes}`` and the tensors that could not be
+    written in place (a target whose elements overlap, e.g. an ``expand``-ed view): the
+    caller puts those into the state instead.
+
+    Raises CheckpointError when a target is missing or does not match, or the slot is
+    shorter than its header says; CheckpointCorruptError on any checksum mismatch (targets
+    are then partly overwritten: the caller restores them from another tier).
     """
     pieces = []  # (key, piece index, slot offset, bytes, destination bytes)
+    staged: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, target, host buffer)
     for d in header["layout"]["tensors"]:
         key, off, n = d["key"], d["offset"], d["nbytes"]
-        dst = targets[key].detach()
-        if (
-            dst.device.type != "cpu"
-            or not dst.is_contiguous()
-            or dst.numel() * dst.element_size() != n
+        target = targets.get(key)
+        if target is None:
+            raise CheckpointError(f"restore target {key} is missing from the state")
+        dst = target.detach()
+        if str(dst.dtype).removeprefix("torch.") != d["dtype"] or tuple(dst.shape) != tuple(
+            d["shape"]
         ):
             raise CheckpointError(
-                f"restore target {key} does not match the snapshot's shape, dtype or device"
+                f"restore target {key} is {dst.dtype} {tuple(dst.shape)}; the snapshot holds "
+                f"{d['dtype']} {tuple(d['shape'])}"
             )
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            buf = torch.empty(
+                dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda and torch.cuda.is_available()
+            )
+            staged.append((key, dst, buf))
+            dst = buf
         dst_mv = memoryview(dst.view(-1).view(torch.uint8).numpy()) if n else memoryview(b"")
         for i, a in enumerate(_starts(n)):
             m = min(n - a, PIECE_BYTES)
@@ -274,7 +310,18 @@ def restore(
         os.close(fd)
     if sums is not None and [crc32c.crc32c(blob)] != sums.get("__objects__"):
         raise CheckpointCorruptError(f"{path}: object blob fails its checksum")
-    return pickle.loads(blob)  # our own worker wrote it into this node's memory
+    replaced: dict[str, torch.Tensor] = {}
+    cuda = False
+    with torch.no_grad():
+        for key, dst, buf in staged:
+            if overlaps(dst):
+                replaced[key] = buf.to(dst.device)
+                continue
+            dst.copy_(buf, non_blocking=dst.is_cuda)
+            cuda = cuda or dst.is_cuda
+    if cuda:
+        torch.cuda.synchronize()  # the pinned buffers may be freed after this
+    return unpack_objects(blob), replaced
 
 
 def _crc_bytes(data: bytes) -> bytes:
