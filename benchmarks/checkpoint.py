@@ -374,7 +374,18 @@ def main() -> int:
         "--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk to measure on"
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="the sharded case instead: 4 FSDP2 ranks, see checkpoint_sharded.py",
+    )
     a = p.parse_args()
+    if a.fsdp:
+        import checkpoint_sharded  # beside this file
+
+        return checkpoint_sharded.main(
+            ["--fsdp", "--size-gb", str(a.size_gb)] + ["--json"] * a.json
+        )
     r = run(a.size_gb, a.repeats, a.rounds, a.dir)
     if a.json:
         print(json.dumps(r, indent=2))

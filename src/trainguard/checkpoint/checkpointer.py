@@ -234,6 +234,9 @@ class Checkpointer:
         self._backend: _Local | _Remote | None = None
         self._slots: list[snapshot.Slot] = []
         self._layout: snapshot.Layout | None = None
+        self._written: dict[Path, dict[str, Any]] = {}  # slot → meta this process committed
+        self._static = ""  # the layout's static header (layout, mappings, shards) as JSON
+        self._static_of: tuple[Any, Any] = ({}, {})  # the mappings and shards it was built for
         self._newest = -1  # index of the slot holding the newest snapshot
         self._copy: threading.Thread | None = None
         self._copied = threading.Event()  # the background copy is in memory (params may change)
@@ -272,8 +275,12 @@ class Checkpointer:
         flat = state_mod.flatten(state, rank)
         blob = state_mod.pack_objects(self._codec.encode(flat.objects))
         backend = self._connect()
-        if self._layout is None or not self._layout.fits(flat.tensors, len(blob)):
-            self._allocate(backend, rank, flat.tensors, len(blob))
+        if (
+            self._layout is None
+            or not self._layout.fits(flat.tensors, len(blob))
+            or (flat.mappings, flat.shards) != self._static_of
+        ):
+            self._allocate(backend, rank, flat, len(blob))
         assert self._layout is not None
         slot, lockf = self._take_slot(durable)
         if slot is None:
@@ -286,10 +293,10 @@ class Checkpointer:
             "world_size": world,
             "durable": durable,
             "time": time.time(),
-            "mappings": {k: list(v) for k, v in flat.mappings.items()},
-            "shards": {k: r.to_json() for k, r in flat.shards.items()},
         }
+        static = self._static
         layout = self._layout
+        self._written.pop(slot.path, None)  # torn until committed
         srcs = list(flat.tensors.values())
         late = self._optimizer_owned(srcs) if self.overlap else set()
         on_dev = [i for i, t in enumerate(srcs) if device.is_device(t)]
@@ -321,7 +328,8 @@ class Checkpointer:
                 for ev in events:
                     ev.synchronize()
                 slot.write_tensors(layout, host_srcs, on_dev)
-                slot.commit(layout, blob, meta)
+                slot.commit(layout, blob, meta, static)
+                self._written[slot.path] = meta
                 self._newest = self._slots.index(slot)
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
@@ -409,11 +417,21 @@ class Checkpointer:
         return self._backend
 
     def _allocate(
-        self, backend: _Local | _Remote, rank: int, tensors: dict[str, torch.Tensor], nblob: int
+        self, backend: _Local | _Remote, rank: int, flat: state_mod.Flat, nblob: int
     ) -> None:
+        """Plan the slots' layout for this state (tensor places, and a header reserve that
+        holds its static part) and have the backend create them."""
         for s in self._slots:
             s.close()
-        self._layout = snapshot.Layout.plan(tensors, nblob)
+        mappings = {k: list(v) for k, v in flat.mappings.items()}
+        shards = {k: r.to_json() for k, r in flat.shards.items()}
+        layout = snapshot.Layout.plan(flat.tensors, nblob)
+        static = layout.static_header(mappings, shards)
+        if snapshot.PREFIX_BYTES + len(static) + 4096 > layout.reserve:
+            layout = snapshot.Layout.plan(flat.tensors, nblob, header_bytes=len(static) + 4096)
+            static = layout.static_header(mappings, shards)
+        self._layout, self._static = layout, static
+        self._static_of = (flat.mappings, flat.shards)
         paths = backend.alloc(rank, self._layout.total_bytes)
         self._slots = [snapshot.Slot(p, writable=True) for p in paths]
         self._newest = -1
@@ -432,7 +450,7 @@ class Checkpointer:
                 except BlockingIOError:
                     lockf.close()
                     continue
-                if snapshot.reusable(slot.path):
+                if snapshot.reusable(slot.path, self._written.get(slot.path)):
                     return slot, lockf
                 fcntl.flock(lockf, fcntl.LOCK_UN)
                 lockf.close()

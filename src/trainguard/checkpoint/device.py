@@ -139,4 +139,4 @@ class Stager:
 
 def is_device(t: Any) -> bool:
     """Is ``t`` a tensor outside host memory (needs staging before the slot)?"""
-    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+    return isinstance(t, torch.Tensor) and not t.is_cpu and not t.is_meta

@@ -68,9 +68,11 @@ class Layout:
     total_bytes: int
 
     @staticmethod
-    def plan(tensors: dict[str, torch.Tensor], objects_bytes: int) -> Layout:
+    def plan(tensors: dict[str, torch.Tensor], objects_bytes: int, header_bytes: int = 0) -> Layout:
+        """Offsets for ``tensors`` and an object blob of up to 2x ``objects_bytes``, after a
+        header reserve of at least 1.25x ``header_bytes`` (0: estimated from the keys)."""
         header_guess = PREFIX_BYTES + 256 + sum(len(k) + 96 for k in tensors)
-        reserve = _align(max(64 << 10, 2 * header_guess))
+        reserve = _align(max(64 << 10, 2 * header_guess, header_bytes * 5 // 4 + 4096))
         offset, entries = reserve, []
         for key, t in tensors.items():
             nbytes = t.numel() * t.element_size()
@@ -92,15 +94,38 @@ class Layout:
             total_bytes=offset + capacity,
         )
 
+    @property
+    def reserve(self) -> int:
+        return self.tensors[0].offset if self.tensors else self.objects_offset
+
+    def signature(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(e.key, e.shape, getattr(torch, e.dtype)) for e in self.tensors]
+
     def fits(self, tensors: dict[str, torch.Tensor], objects_bytes: int) -> bool:
         if objects_bytes > self.objects_capacity or len(tensors) != len(self.tensors):
             return False
-        return all(
-            e.key == k
-            and e.shape == tuple(t.shape)
-            and e.dtype == str(t.dtype).removeprefix("torch.")
-            for e, (k, t) in zip(self.tensors, tensors.items(), strict=True)
-        )
+        return _signature(tensors) == self._sig()
+
+    def _sig(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        sig = _SIGNATURES.get(id(self))
+        if sig is None or sig[0] is not self:
+            sig = (self, self.signature())
+            _SIGNATURES[id(self)] = sig
+        return sig[1]
+
+    def static_header(self, mappings: dict[str, Any], shards: dict[str, Any]) -> str:
+        """The header's part that is the same for every save into this layout (JSON members
+        ``layout``, ``mappings`` and ``shards``): built once per layout, not per save."""
+        return json.dumps(
+            {"layout": dataclasses.asdict(self), "mappings": mappings, "shards": shards}
+        )[1:-1]
+
+
+_SIGNATURES: dict[int, tuple[Layout, list[tuple[str, tuple[int, ...], torch.dtype]]]] = {}
+
+
+def _signature(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
 
 
 def _view(buf: torch.Tensor, e: TensorEntry) -> torch.Tensor:
@@ -125,6 +150,7 @@ class Slot:
         self.size = size
         self.buf = torch.frombuffer(self.mm, dtype=torch.uint8) if writable else None
         self._dsts: tuple[Layout, list[torch.Tensor]] | None = None
+        self._nonempty: list[int] = []
 
     def close(self) -> None:
         self.buf = None
@@ -143,6 +169,7 @@ class Slot:
         assert self.buf is not None
         if self._dsts is None or self._dsts[0] is not layout:
             self._dsts = (layout, [_view(self.buf, e) for e in layout.tensors])
+            self._nonempty = [i for i, e in enumerate(layout.tensors) if e.nbytes]
         return self._dsts[1]
 
     def write_tensors(
@@ -157,21 +184,28 @@ class Slot:
         if isinstance(tensors, dict):
             tensors = list(tensors.values())
         dsts = self.destinations(layout)
-        idx = range(len(tensors)) if indices is None else indices
-        pairs = [(dsts[i], tensors[i].detach()) for i in idx if tensors[i].numel()]
-        if pairs:
+        full = self._nonempty
+        idx = full if indices is None else [i for i in indices if layout.tensors[i].nbytes]
+        if idx:
             with torch.no_grad():
-                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+                torch._foreach_copy_([dsts[i] for i in idx], [tensors[i] for i in idx])
 
-    def commit(self, layout: Layout, objects_blob: bytes, meta: dict[str, Any]) -> None:
-        """Write the objects and the header, then mark the slot COMPLETE."""
+    def commit(
+        self,
+        layout: Layout,
+        objects_blob: bytes,
+        meta: dict[str, Any],
+        static: str | None = None,
+    ) -> None:
+        """Write the objects and the header (``meta`` plus ``static``, the layout's
+        ``static_header``; default: the layout alone), then mark the slot COMPLETE."""
         o = layout.objects_offset
         self.mm[o : o + len(objects_blob)] = objects_blob
-        header = json.dumps(
-            {**meta, "layout": dataclasses.asdict(layout), "objects_nbytes": len(objects_blob)}
-        ).encode()
-        reserve = layout.tensors[0].offset if layout.tensors else layout.objects_offset
-        if PREFIX_BYTES + len(header) > reserve:
+        if static is None:
+            static = layout.static_header({}, {})
+        dynamic = json.dumps({**meta, "objects_nbytes": len(objects_blob)})
+        header = (dynamic[:-1] + ", " + static + "}").encode()
+        if PREFIX_BYTES + len(header) > layout.reserve:
             raise CheckpointError(
                 "snapshot header does not fit its reserve; the layout must be re-planned"
             )
@@ -361,10 +395,11 @@ def write_sums(
     os.replace(tmp, sums_path(slot))
 
 
-def reusable(slot: Path) -> bool:
+def reusable(slot: Path, written: dict[str, Any] | None = None) -> bool:
     """May the writer overwrite this slot? Not while it holds a durable-flagged snapshot
-    that the persister has not written yet."""
-    h = peek_header(slot)
+    that the persister has not written yet. ``written``: the step, generation and durable
+    flag the caller itself last committed there (spares parsing a header of every key)."""
+    h = written if written is not None else peek_header(slot)
     if h is None or not h.get("durable"):
         return True
     try:

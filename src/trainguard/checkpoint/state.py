@@ -44,7 +44,11 @@ try:
 except ImportError:  # pragma: no cover
     ShardedTensor = None  # type: ignore[assignment,misc]
 
-SHARD_SEP = "@shard"  # entry key of a ShardedTensor's i-th local shard: f"{fqn}@shard{i}"
+SHARD_SEP = "@shard"
+_PLAIN = (
+    torch.Tensor,
+    torch.nn.Parameter,
+)  # exact types: subclasses take the general path  # entry key of a ShardedTensor's i-th local shard: f"{fqn}@shard{i}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,18 +125,25 @@ def flatten_typed(conv: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple
             raise CheckpointError(f"two values of the state flatten to the same key {key}")
         flat[key], mappings[key] = value, path
 
-    def walk(path: tuple[Any, ...], value: Any) -> None:
+    def walk(prefix: str, path: tuple[Any, ...], value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
-                walk((*path, k if type(k) in (str, int) else str(k)), v)
-        elif _is_terminal(value):
+                key = f"{prefix}.{k}"
+                sub = (*path, k if type(k) in (str, int) else str(k))
+                if type(v) in _PLAIN:  # the common leaf, without a call per tensor
+                    if key in flat:
+                        visit(sub, v)  # raises
+                    flat[key], mappings[key] = v, sub
+                else:
+                    walk(key, sub, v)
+        elif isinstance(value, torch.Tensor) or _is_terminal(value):
             visit(path, value)
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                walk((*path, i), v)
+                walk(f"{prefix}.{i}", (*path, i), v)
 
     for k, v in conv.items():
-        walk((str(k),), v)
+        walk(str(k), (str(k),), v)
     return flat, mappings
 
 
