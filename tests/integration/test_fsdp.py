@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.conftest import ROOT, TINY, events, losses, run_job
 
@@ -99,29 +101,61 @@ def test_world_change_reshards_the_durable_checkpoint(
     assert max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference) < 1e-3
 
 
-@pytest.mark.parametrize("world", [2, 8])
-def test_checkpoint_saved_at_world_4_loads_at_another_world(tmp_path: Path, world: int) -> None:
-    root, full = tmp_path / "ck", tmp_path / "full.pt"
-    env = {**os.environ, "TRAINGUARD_SHM_DIR": str(tmp_path)}
+def _torchrun(d: Path, n: int, *args: str) -> list[dict[str, object]]:
+    """Run fsdp_worker.py on ``n`` ranks with its checkpoint root and full copy under ``d``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+        + [str(n), str(FSDP_WORKER), *args, "--root", str(d / "ck"), "--out", str(d / "full.pt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TRAINGUARD_SHM_DIR": str(d)},
+        cwd=d,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the ranks' lines share one stdout and may interleave: take each flat JSON object
+    return [json.loads(x) for x in re.findall(r"\{[^{}]*\}", out.stdout)]
 
-    def torchrun(n: int, *args: str) -> list[dict[str, object]]:
+
+@pytest.fixture(scope="module")
+def saved_at_world_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("world4")
+    saved = _torchrun(d, 4, "save")
+    assert len(saved) == 4
+    for r in saved:  # each rank's snapshot holds its shards only (plus replicated scalars)
+        assert int(r["snapshot_bytes"]) < 0.4 * int(r["state_bytes"]), r
+    return d
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_checkpoint_saved_at_world_4_loads_at_another_world(
+    saved_at_world_4: Path, world: int
+) -> None:
+    for loaded in (
+        _torchrun(saved_at_world_4, world, "load"),
+        _torchrun(saved_at_world_4, world, "load", "--plain"),  # plain dcp.load, no trainguard
+    ):
+        assert sorted(int(r["rank"]) for r in loaded) == list(range(world))
+        assert all(r["equal"] and r["step"] == 3 for r in loaded), loaded
+
+
+def test_sharded_tensor_chunks_are_one_global_tensor(tmp_path: Path) -> None:
+    worker = ROOT / "tests" / "helpers" / "sharded_tensor_worker.py"
+    env = {**os.environ, "TRAINGUARD_SHM_DIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    outs = []
+    for mode in ("save", "load"):
         out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-            + ["--standalone", str(FSDP_WORKER), *args, "--root", str(root)]
-            + ["--out", str(full)],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+            + ["3", str(worker), str(tmp_path / "ck"), mode],
             capture_output=True,
             text=True,
             timeout=240,
             env=env,
-            cwd=tmp_path,
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        return [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-
-    saved = torchrun(4, "save")
-    assert len(saved) == 4
-    for r in saved:  # each rank's snapshot holds its shards only (plus replicated scalars)
-        assert int(r["snapshot_bytes"]) < 0.4 * int(r["state_bytes"]), r
-    for loaded in (torchrun(world, "load"), torchrun(world, "load", "--plain")):
-        assert sorted(int(r["rank"]) for r in loaded) == list(range(world))
-        assert all(r["equal"] and r["step"] == 3 for r in loaded), loaded
+        outs.append(out.stdout)
+    assert sorted(outs[1].split()) == sorted(["0", "1", "True", "1", "1", "True", "2", "1", "True"])
+    md = dcp.FileSystemReader(str(tmp_path / "ck" / "step_1")).read_metadata()
+    whole = md.state_dict_metadata["m.st"]
+    assert tuple(whole.size) == (10, 3)
+    assert [tuple(c.offsets) for c in whole.chunks] == [(0, 0), (4, 0), (8, 0)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -170,7 +171,9 @@ def flatten_converted(conv: dict[str, Any]) -> Flat:
         if DTensor is not None and isinstance(value, DTensor):
             tensors[key], shards[key] = _dtensor_entry(key, value)
         elif ShardedTensor is not None and isinstance(value, ShardedTensor):
-            size = tuple(value.size())
+            with warnings.catch_warnings():  # ShardedTensor warns on every use that it is legacy
+                warnings.simplefilter("ignore", FutureWarning)
+                size = tuple(value.size())
             for i, shard in enumerate(value.local_shards()):
                 entry = f"{key}{SHARD_SEP}{i}"
                 tensors[entry] = shard.tensor
