@@ -127,7 +127,7 @@ def saved_at_world_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("world", [2, pytest.param(8, marks=pytest.mark.slow)])
 def test_checkpoint_saved_at_world_4_loads_at_another_world(
     saved_at_world_4: Path, world: int
 ) -> None:
