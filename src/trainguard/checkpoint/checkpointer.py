@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import hashlib
 import os
 import socket
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,20 @@ from trainguard.runtime.core import init as runtime_init
 SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
 DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
 VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cycle collector off while a save walks the state: the shape objects of 10^5
+    tensors alive at once would set off full collections (each scanning every tensor) in the
+    middle of the step. Nothing here creates a reference cycle, so nothing is left for it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -236,7 +252,8 @@ class Checkpointer:
         self._layout: snapshot.Layout | None = None
         self._written: dict[Path, dict[str, Any]] = {}  # slot → meta this process committed
         self._static = ""  # the layout's static header (layout, mappings, shards) as JSON
-        self._static_of: tuple[Any, Any] = ({}, {})  # the mappings and shards it was built for
+        # the mappings, shards and object keys it was built for (tensor keys: in the layout)
+        self._static_of: tuple[Any, Any, list[str]] = ({}, {}, [])
         self._newest = -1  # index of the slot holding the newest snapshot
         self._copy: threading.Thread | None = None
         self._copied = threading.Event()  # the background copy is in memory (params may change)
@@ -272,15 +289,18 @@ class Checkpointer:
             self._save_sync(step, state)
             return
         rank, world = _rank_world()
-        flat = state_mod.flatten(state, rank)
-        blob = state_mod.pack_objects(self._codec.encode(flat.objects))
         backend = self._connect()
-        if (
-            self._layout is None
-            or not self._layout.fits(flat.tensors, len(blob))
-            or (flat.mappings, flat.shards) != self._static_of
-        ):
-            self._allocate(backend, rank, flat, len(blob))
+        with _gc_paused():
+            flat = state_mod.flatten(state, rank, paths=False)  # paths only when re-planning
+            blob = state_mod.pack_objects(self._codec.encode(flat.objects))
+            fits = (
+                self._layout is not None
+                and self._layout.fits(flat.tensors, len(blob))
+                and flat.shards == self._static_of[1]
+                and list(flat.objects) == self._static_of[2]
+            )
+        if not fits:
+            self._allocate(backend, rank, state_mod.flatten(state, rank), len(blob))
         assert self._layout is not None
         slot, lockf = self._take_slot(durable)
         if slot is None:
@@ -299,9 +319,15 @@ class Checkpointer:
         self._written.pop(slot.path, None)  # torn until committed
         srcs = list(flat.tensors.values())
         late = self._optimizer_owned(srcs) if self.overlap else set()
-        on_dev = [i for i, t in enumerate(srcs) if device.is_device(t)]
-        now_host = [i for i in range(len(srcs)) if i not in late and i not in on_dev]
-        late_host = [i for i in sorted(late) if i not in on_dev]
+        cpu = [t.is_cpu for t in srcs]
+        on_dev = [] if all(cpu) else [i for i, c in enumerate(cpu) if not c]
+        dev = set(on_dev)
+        now_host = (  # None: every entry
+            None
+            if not late and not dev
+            else [i for i in range(len(srcs)) if i not in late and i not in dev]
+        )
+        late_host = [i for i in sorted(late) if i not in dev]
         events: list[device.Event] = []
         host_srcs = srcs
         if on_dev:
@@ -431,7 +457,7 @@ class Checkpointer:
             layout = snapshot.Layout.plan(flat.tensors, nblob, header_bytes=len(static) + 4096)
             static = layout.static_header(mappings, shards)
         self._layout, self._static = layout, static
-        self._static_of = (flat.mappings, flat.shards)
+        self._static_of = (flat.mappings, flat.shards, list(flat.objects))
         paths = backend.alloc(rank, self._layout.total_bytes)
         self._slots = [snapshot.Slot(p, writable=True) for p in paths]
         self._newest = -1

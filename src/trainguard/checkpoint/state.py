@@ -45,11 +45,9 @@ try:
 except ImportError:  # pragma: no cover
     ShardedTensor = None  # type: ignore[assignment,misc]
 
-SHARD_SEP = "@shard"
-_PLAIN = (
-    torch.Tensor,
-    torch.nn.Parameter,
-)  # exact types: subclasses take the general path  # entry key of a ShardedTensor's i-th local shard: f"{fqn}@shard{i}"
+SHARD_SEP = "@shard"  # entry key of a ShardedTensor's i-th local shard: f"{fqn}@shard{i}"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: subclasses take the general path
+_STRIDED = torch.strided
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,45 +104,56 @@ def converted(state: dict[str, Any], rank: int) -> dict[str, Any]:
     }
 
 
-def flatten(state: dict[str, Any], rank: int) -> Flat:
-    """Flatten ``state`` for a snapshot. Raises CheckpointError for a value no tier can hold
-    (sparse tensors, a ``Partial`` DTensor), naming the key and the fix."""
-    return flatten_converted(converted(state, rank))
+def flatten(state: dict[str, Any], rank: int, *, paths: bool = True) -> Flat:
+    """Flatten ``state`` for a snapshot (``paths=False``: leave ``mappings`` empty, the per-save
+    fast path). Raises CheckpointError for a value no tier can hold (sparse tensors, a
+    ``Partial`` DTensor), naming the key and the fix."""
+    return flatten_converted(converted(state, rank), paths=paths)
 
 
-def flatten_typed(conv: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+def flatten_typed(
+    conv: dict[str, Any], *, paths: bool = True, plain: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """DCP's ``flatten_state_dict`` (same traversal, same flat keys), with paths that keep
     each dict key's own type: DCP's paths turn the int keys of an optimizer's ``state`` into
     strings, and a value restored along such a path lands under ``"0"`` beside the param id
-    ``0``. Keys other than str and int are stringified, as DCP does."""
+    ``0``. Keys other than str and int are stringified, as DCP does. ``paths=False``: the
+    flat dict only (no path tuples built). ``plain``: where to put plain strided tensors that
+    are values of a mapping instead of the flat dict (the snapshot's fast path; order kept
+    within each)."""
     flat: dict[str, Any] = {}
+    fast = plain if plain is not None else flat
     mappings: dict[str, tuple[Any, ...]] = {}
 
-    def visit(path: tuple[Any, ...], value: Any) -> None:
-        key = ".".join(map(str, path))
+    def leaf(key: str, path: tuple[Any, ...] | None, value: Any) -> None:
         if key in flat:
             raise CheckpointError(f"two values of the state flatten to the same key {key}")
-        flat[key], mappings[key] = value, path
+        flat[key] = value
+        if path is not None:
+            mappings[key] = path
 
-    def walk(prefix: str, path: tuple[Any, ...], value: Any) -> None:
+    def walk(prefix: str, path: tuple[Any, ...] | None, value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
                 key = f"{prefix}.{k}"
-                sub = (*path, k if type(k) in (str, int) else str(k))
-                if type(v) in _PLAIN:  # the common leaf, without a call per tensor
-                    if key in flat:
-                        visit(sub, v)  # raises
-                    flat[key], mappings[key] = v, sub
+                sub = None if path is None else (*path, k if type(k) in (str, int) else str(k))
+                if type(v) in _PLAIN and key not in flat and key not in fast:  # common, inline
+                    if fast is not flat and v.layout is not _STRIDED:
+                        walk(key, sub, v)  # to the general path (refused there)
+                        continue
+                    fast[key] = v
+                    if sub is not None:
+                        mappings[key] = sub
                 else:
                     walk(key, sub, v)
         elif isinstance(value, torch.Tensor) or _is_terminal(value):
-            visit(path, value)
+            leaf(prefix, path, value)
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                walk(f"{prefix}.{i}", (*path, i), v)
+                walk(f"{prefix}.{i}", None if path is None else (*path, i), v)
 
     for k, v in conv.items():
-        walk(str(k), (str(k),), v)
+        walk(str(k), (str(k),) if paths else None, v)
     return flat, mappings
 
 
@@ -161,10 +170,10 @@ def _is_terminal(value: Any) -> bool:
     )
 
 
-def flatten_converted(conv: dict[str, Any]) -> Flat:
+def flatten_converted(conv: dict[str, Any], *, paths: bool = True) -> Flat:
     """``flatten`` of a state already ``converted``."""
-    flat, mappings = flatten_typed(conv)
     tensors: dict[str, torch.Tensor] = {}
+    flat, mappings = flatten_typed(conv, paths=paths, plain=tensors)
     shards: dict[str, ShardRecord] = {}
     objects: dict[str, Any] = {}
     for key, value in flat.items():
