@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-REPEATS = 5
+REPEATS = 9
 
 
 def med(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
