@@ -3,9 +3,15 @@
 The agent keeps ``nproc_per_node`` of these ready, so a restart does not pay for
 interpreter start and ``import torch`` (the bulk of a torchrun restart on CPU). On
 its spec (one JSON line: env, argv, cwd, log, error_file) the spare redirects its
-output to the rank's log, replaces its environment and runs the script exactly as
-``python SCRIPT ARGS`` would (``runpy``, ``__name__ == "__main__"``). An uncaught
-exception is written to the error file in torchelastic's format.
+output to the rank's log, replaces its environment and runs the script as
+``python SCRIPT ARGS`` would: in a fresh module that *is* ``sys.modules["__main__"]`` (and
+``__mp_main__``, which multiprocessing bound to the spare's own module when torch imported
+it), so classes defined in the script pickle and unpickle across spawn/forkserver workers
+and pools; ``sys.argv`` and ``sys.path[0]`` as Python sets them. What torch read from the
+environment at import (its intra-op thread count, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``)
+is re-read from the worker's environment, and again when the script itself imports torch
+(a script may set ``OMP_NUM_THREADS`` just before ``import torch``). An uncaught exception is
+written to the error file in torchelastic's format.
 
 The spare dies with its agent (PR_SET_PDEATHSIG = SIGKILL), as workers die with a
 powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
@@ -14,17 +20,20 @@ powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import ctypes
 import importlib
+import importlib.machinery
 import json
 import os
-import runpy
 import signal
 import sys
 import threading
 import time
 import traceback
+import types
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 EXIT_JOIN_S = 60.0  # how long a finished script's non-daemon threads may run on
@@ -90,9 +99,11 @@ def main() -> None:
     script = spec["argv"][0]
     sys.argv = list(spec["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    _apply_thread_env()
+    _reapply_thread_env_on_torch_import()
     code: int | str | None = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_as_main(script)
     except SystemExit as e:
         code = e.code
     except BaseException as exc:
@@ -100,6 +111,52 @@ def main() -> None:
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def _run_as_main(script: str) -> None:
+    """Execute ``script`` as ``python script`` does: compiled from its file, in a new module
+    installed as ``__main__`` (and ``__mp_main__``) for as long as the process lives."""
+    main = types.ModuleType("__main__")
+    main.__file__ = script
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+    main.__spec__ = None  # as for a script run by path: spawn children re-run it by path
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    _SPARE.append(sys.modules["__main__"])  # this module stays alive (its functions run on)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+    with open(script, "rb") as f:
+        source = f.read()
+    exec(compile(source, script, "exec"), main.__dict__)
+
+
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_SPARE: list[types.ModuleType] = []
+
+
+def _apply_thread_env() -> None:
+    """Set torch's intra-op threads as ``import torch`` would have from this environment."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name in _THREAD_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            torch.set_num_threads(int(value))
+            return
+
+
+def _reapply_thread_env_on_torch_import() -> None:
+    """torch is imported already, so the script's own ``import torch`` runs nothing: catch
+    it and re-read the thread variables then (the import hook removes itself)."""
+    original = builtins.__import__
+
+    def hook(name: str, *args: Any, **kwargs: Any) -> Any:
+        module = original(name, *args, **kwargs)
+        if name == "torch" or name.startswith("torch."):
+            builtins.__import__ = original
+            _apply_thread_env()
+        return module
+
+    builtins.__import__ = hook
 
 
 def _exit(code: int | str | None) -> None:
