@@ -3,6 +3,7 @@ tests/helpers/repros/ (users' shapes, copied verbatim), each with its expected o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,49 @@ def test_script_classes_cross_spawn_workers(tmp_path: Path, mode: str) -> None:
 def test_thread_count_set_before_import_torch_is_honoured(tmp_path: Path) -> None:
     logs = run_repro(tmp_path, "env_before_import.py")
     assert "torch threads=2" in logs, logs[-2000:]
+
+
+def test_outside_text_is_printed_as_text_and_output_can_be_cut_short(tmp_path: Path) -> None:
+    """Error text holding rich-markup-like brackets is printed verbatim by every command, and
+    a reader that stops early (``| head``) ends a printing command without a traceback."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG.replace("max_restarts = 10", "max_restarts = 1"))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainguard"]
+    res = subprocess.run(
+        [
+            *cmd,
+            "run",
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            str(cfg),
+            str(REPROS / "bracket_error.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode != 0
+    needle = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] [bold]peer[/] closed"
+    for sub in (["report"], ["events"], ["status"]):
+        out = subprocess.run(
+            [*cmd, *sub, "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "400"},
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        if sub == ["report"]:  # (events cut each detail at 100 characters)
+            assert needle in out.stdout, out.stdout[-3000:]
+    for sub in (["events", "--json"], ["status", "--json"], ["report", "--json"]):
+        pipe = subprocess.run(
+            " ".join([*cmd, *sub, "--run-dir", str(run_dir)]) + " | head -c 20",
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr, pipe.stderr

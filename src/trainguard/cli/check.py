@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from trainguard.controller.api import JobConfig
@@ -37,6 +36,8 @@ from trainguard.controller.server import Controller, pool_lists
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig
+from trainguard.observe.console import console as make_console
+from trainguard.observe.console import styled
 
 POLL_S = 0.5
 
@@ -108,7 +109,7 @@ def print_result(run: dict[str, Any], lists: dict[str, list[str]], console: Cons
         row = run["table"].get(n, {})
         v = run["verdicts"].get(n, {"ok": False})
         t.add_row(
-            n, "pass" if v["ok"] else "[red]FAIL[/red]", _num(row.get("load_per_core"), ".2f"),
+            n, "pass" if v["ok"] else styled(("FAIL", "red")), _num(row.get("load_per_core"), ".2f"),
             _gib(row.get("memory_available")), _gib(row.get("disk_free")), _gib(row.get("shm_free")),
             str(row.get("leftovers", "-")), _num(row.get("clock_skew_s"), "+.3f"),
             _num(row.get("gemm_gflops"), ".1f"), _num(row.get("allreduce_busbw_gbps"), ".3f"),
@@ -132,7 +133,7 @@ def print_result(run: dict[str, Any], lists: dict[str, list[str]], console: Cons
     console.print(f"stage times: {stages}")
     for n in run["nodes"]:
         for p in run["verdicts"].get(n, {}).get("problems", []):
-            console.print(f"[red]{escape(n)}[/red]: {escape(p)}")
+            console.print(styled((n, "red"), f": {p}"))
 
 
 async def _local(
@@ -276,5 +277,5 @@ def check_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**run, "lists": lists}, indent=1))
     else:
-        print_result(run, lists, Console())
+        print_result(run, lists, make_console())
     return 0 if all(v["ok"] for v in run["verdicts"].values()) and run["verdicts"] else 1

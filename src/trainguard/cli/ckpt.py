@@ -16,10 +16,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from trainguard.checkpoint import snapshot, storage
+from trainguard.observe.console import console
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
                     r["where"],
                     "; ".join(r["detail"])[:80],
                 )
-            Console().print(t)
+            console().print(t)
         return 1 if args.action == "verify" and any(r["state"] == "corrupt" for r in rows) else 0
     step = export(args.run_dir, args.step, args.out, args.format)
     print(f"exported step {step} to {args.out} ({args.format})")

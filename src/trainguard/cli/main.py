@@ -7,6 +7,7 @@ status 2, before any process starts.
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sqlite3
 import sys
@@ -169,8 +170,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that print and exit: a reader that stops early (``| head``) ends them quietly,
+# as it ends any Unix filter. Long-running ones (run, controller, agent, check) keep Python's
+# SIGPIPE-ignored default, so a closed socket is an error they handle, never their death.
+_PRINTING = frozenset({"status", "events", "report", "ckpt"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd in _PRINTING:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         if args.cmd == "run":
             from trainguard.cli.run import run_command

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.store import open_readonly, read_events, read_kv
+from trainguard.observe.console import console, styled
 
 PHASES = RECOVERY_PHASES
 
@@ -134,8 +134,8 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps(rep, indent=2))
         return 0
-    con = Console(width=max(Console().width, 132))
-    con.print(f"[bold]trainguard report[/] {rep['run_dir']}")
+    con = console()
+    con.print(styled(("trainguard report", "bold"), f" {rep['run_dir']}"))
     if rep["kind"] == "check":
         con.print(f"pre-flight check (trainguard check): {rep['reason']}")
         _print_preflight(con, rep)
@@ -157,16 +157,14 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
             str(f["rank"]),
             str(f["node_id"]),
             str(f["step"]),
-            escape((f["message"] or "").splitlines()[0][:100]),
+            (f["message"] or "").splitlines()[0][:100],
         )
     con.print(faults)
     for h in rep["hangs"]:
-        con.print(f"hang in generation {h['generation']}: {escape(h['message'])}")
-        con.print(
-            f"  stack of rank {h['rank']} ({escape(str(h['node']))}), the rank that held the others:"
-        )
+        con.print(f"hang in generation {h['generation']}: {h['message']}")
+        con.print(f"  stack of rank {h['rank']} ({str(h['node'])}), the rank that held the others:")
         for line in h["stack"].splitlines()[:25]:
-            con.print(f"    {escape(line)}")
+            con.print(f"    {line}")
     if rep["alerts"]:
         al = Table(title=f"alerts: {len(rep['alerts'])}")
         for col in ("kind", "gen", "step", "rank", "node", "detail"):
@@ -180,7 +178,7 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
             }
             al.add_row(
                 a["kind"], str(a.get("generation", "")), str(step if step is not None else ""),
-                str(a.get("rank", "")), str(a.get("node", "")), escape(json.dumps(detail)[:90]),
+                str(a.get("rank", "")), str(a.get("node", "")), json.dumps(detail)[:90],
             )  # fmt: skip
         con.print(al)
     rec = Table(title=f"recoveries: {len(rep['recoveries'])} (seconds per phase)")
@@ -206,12 +204,12 @@ def _print_preflight(con: Console, rep: dict[str, Any]) -> None:
             pre.add_column(col)
         for r in rep["preflight"]:
             pre.add_row(
-                str(r["run"]), r["level"], escape(r["reason"]), ", ".join(r["nodes"]),
+                str(r["run"]), r["level"], r["reason"], ", ".join(r["nodes"]),
                 ", ".join(r["failed"]) or "—", _fmt(r["seconds"]),
             )  # fmt: skip
         con.print(pre)
     for node, reason in rep["left_out"].items():
-        con.print(f"left out: [red]{escape(node)}[/red]: {escape(reason)}")
+        con.print(styled("left out: ", (node, "red"), f": {reason}"))
 
 
 # Per-snapshot bookkeeping: hundreds per run; shown with --all or --kind.
@@ -253,9 +251,9 @@ def print_events(
             str(e.get("generation", "")),
             str(e.get("node", "")),
             str(e.get("rank", "")),
-            escape(json.dumps(detail, default=str)[:100]),
+            json.dumps(detail, default=str)[:100],
         )
-    Console(width=max(Console().width, 132)).print(table)
+    console().print(table)
     if hidden:
         print(
             f"{hidden} routine checkpoint events not shown ({', '.join(sorted(ROUTINE))}); --all shows them"
