@@ -106,8 +106,32 @@ def test_config_file_values_apply_and_bad_types_are_one_line(tmp_path: Path) -> 
     cfg.write_text('heartbeat_s = "fast"\n')
     res = _run("run", "--run-dir", str(tmp_path / "r2"), "--config", str(cfg), str(GPT))
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert "a field has the wrong type" in res.stderr
+    assert "heartbeat_s = 'fast' is a string; heartbeat_s takes a number" in res.stderr
     (tmp_path / "r3").mkdir()
     (tmp_path / "r3" / "job.sqlite").write_bytes(b"garbage" * 100)
     res = _run("report", "--run-dir", str(tmp_path / "r3"))
     assert res.returncode == 2 and "is not a readable trainguard store" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("toml", "needle"),
+    [
+        ("nodes = 2.5", "nodes = 2.5 is a float; nodes takes an integer"),
+        (
+            'memory_tier = "false"',
+            "memory_tier = 'false' is a string; memory_tier takes true or false",
+        ),
+        ("nodes = true", "nodes = True is a boolean; nodes takes an integer"),
+        ('preflight = "fast"', "preflight='fast': use quick, full or off"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_one_line(
+    tmp_path: Path, toml: str, needle: str
+) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml + "\n")
+    res = _run("run", "--run-dir", str(tmp_path / "r"), "--config", str(cfg), str(GPT))
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), res.stderr
+    assert needle in lines[0]

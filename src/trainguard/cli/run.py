@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import IO, Any
 
@@ -73,7 +75,54 @@ def load_fields(
         raise ValueError(
             f"--config {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
+    hints = typing.get_type_hints(cls)
+    for name, value in extra.items():
+        want = _type_name(hints[name])
+        if want is not None and not _has_type(value, hints[name]):
+            raise ValueError(
+                f"--config {path}: {name} = {value!r} is a {_toml_type(value)}; {name} takes {want}"
+            )
     return extra
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Does a TOML value fit a dataclass field's annotation? (bool is not an int here.)"""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args if a is not type(None))
+    if origin is typing.Literal:
+        return value in args
+    if origin in (tuple, list):
+        return isinstance(value, list) and all(
+            _has_type(v, args[0]) for v in value if args and args[0] is not Ellipsis
+        )
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type this loader does not know: the dataclass checks it
+
+
+def _type_name(hint: Any) -> str | None:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        names = [n for a in args if a is not type(None) and (n := _type_name(a))]
+        return " or ".join(names) or None
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (tuple, list):
+        return "a list"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint)
+
+
+def _toml_type(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def build_config(args: argparse.Namespace) -> JobConfig:
