@@ -97,3 +97,9 @@ def test_outside_text_is_printed_as_text_and_output_can_be_cut_short(tmp_path: P
             timeout=60,
         )
         assert "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr, pipe.stderr
+
+
+def test_a_plain_script_gets_its_whole_restart_budget(tmp_path: Path) -> None:
+    """No trainguard import: fails (differently) in restarts 0 and 1, finishes in restart 2."""
+    logs = run_repro(tmp_path, "restart_budget_plain_script.py")
+    assert "restart 2: finished" in logs

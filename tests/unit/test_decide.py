@@ -209,9 +209,11 @@ def test_restart_budget_and_no_progress() -> None:
         sim.ack_stop()
         sim.tick()
     assert sim.s.phase == Phase.FAILED and "restart budget" in sim.s.reason
+    # Step reports but no checkpoint: the first generation progressed (it ran steps); later
+    # ones that never get past step 5 do not.
     sim2 = Sim(cfg(max_restarts=10, no_progress_generations=2), 2)
     sim2.tick()
-    for _ in range(2):
+    for _ in range(3):
         sim2.run_generation()
         w = sim2.worker("node1")
         w.state, w.exit_code, w.exited_at = "failed", -9, sim2.now
@@ -219,6 +221,41 @@ def test_restart_budget_and_no_progress() -> None:
         sim2.ack_stop()
         sim2.tick()
     assert sim2.s.phase == Phase.FAILED and sim2.s.reason.startswith("no progress")
+
+
+def _fail_plain(sim: Sim, message: str) -> None:
+    """A generation of a script that reports no steps, ending in a worker exit."""
+    gen = sim.s.generation
+    for n, rank in sim.s.assignment.items():
+        o = sim.obs[n]
+        if rank == 0:
+            o.store = (gen, 29500 + gen)
+        o.generation = gen
+        o.workers = {rank: WorkerObs(rank=rank, local_rank=0, pid=100 + rank, state="running")}
+    sim.tick()
+    sim.tick()
+    w = sim.worker("node0")
+    w.state, w.exit_code, w.exited_at, w.error = "failed", 1, sim.now, message
+    sim.tick()
+    sim.ack_stop()
+    sim.tick()
+
+
+def test_a_plain_script_is_judged_by_its_restart_budget() -> None:
+    """No step reports, no checkpoints: different transient errors are retried up to the
+    budget (never "user error" or "no progress"); the same error twice is a user error."""
+    sim = Sim(cfg(max_restarts=10), 2)
+    sim.tick()
+    for r in range(5):
+        _fail_plain(sim, f"RuntimeError: transient failure in restart {r}")
+        assert sim.s.phase != Phase.FAILED, sim.s.reason
+    assert sim.s.restarts == 5
+    sim = Sim(cfg(max_restarts=10), 2)
+    sim.tick()
+    for _ in range(2):
+        _fail_plain(sim, "ModuleNotFoundError: No module named 'tranformers'")
+    assert sim.s.phase == Phase.FAILED and sim.s.reason.startswith("user error"), sim.s.reason
+    assert "same error: " in sim.s.reason and "ModuleNotFoundError" in sim.s.reason
 
 
 def test_hang_names_the_frozen_rank() -> None:

@@ -67,6 +67,10 @@ class JobState:
     recoveries: list[Recovery] = dataclasses.field(default_factory=list)
     no_progress_generations: int = 0
     prestep_failures: int = 0
+    # A script that never reports steps is judged by what can be seen: consecutive failures
+    # with the same last error line (a deterministic bug), not "before its first step".
+    last_failure: str = ""
+    seen_checkpoint: bool = False  # a trainguard checkpoint existed at some point
     stop_requested: bool = False
     reason: str = ""  # why the job ended (terminal phases)
     max_step: dict[int, int] = dataclasses.field(
@@ -624,21 +628,44 @@ def _apply_policy(
     assert s.recovery is not None
     fault = s.recovery.fault
     gen = fault.generation
-    if fault.cause == "worker_exit" and gen not in s.max_step:
-        s.prestep_failures += 1
-    else:
+    # What the guards can see: step reports (the runtime), checkpoints (the Checkpointer). A
+    # plain script shows neither, and is judged by its restart budget, except for a failure
+    # that repeats word for word (a bug in the script, not a transient fault).
+    reports_steps = bool(s.max_step)
+    line = _last_line(fault.message) if fault.cause == "worker_exit" else ""
+    if fault.cause != "worker_exit":
         s.prestep_failures = 0
+    elif reports_steps:
+        s.prestep_failures = s.prestep_failures + 1 if gen not in s.max_step else 0
+    else:
+        s.prestep_failures = s.prestep_failures + 1 if line == s.last_failure else 1
+    s.last_failure = line
     point, _ = restore_point(s, obs, cfg, durable)
     ckpt_step = point[0] if point else None
-    progressed = ckpt_step is not None and (s.restore_step is None or ckpt_step > s.restore_step)
+    s.seen_checkpoint = s.seen_checkpoint or ckpt_step is not None
+    if s.seen_checkpoint:  # progress = a newer checkpoint than the one this generation restored
+        progressed = ckpt_step is not None and (
+            s.restore_step is None or ckpt_step > s.restore_step
+        )
+    elif reports_steps:  # its own checkpoints, if any: a step beyond every earlier generation's
+        before = max((v for g, v in s.max_step.items() if g < gen), default=-1)
+        progressed = s.max_step.get(gen, -1) > before
+    else:
+        progressed = True  # nothing to judge progress by: the restart budget decides
     s.no_progress_generations = 0 if progressed else s.no_progress_generations + 1
     if s.prestep_failures >= cfg.user_error_generations:
         s.reason = (
             f"user error: the script failed before its first step in {s.prestep_failures} "
             f"generations in a row; last error: {_last_line(fault.message)}"
+            if reports_steps
+            else f"user error: the script failed {s.prestep_failures} times in a row with the "
+            f"same error: {line}"
         )
     elif s.no_progress_generations >= cfg.no_progress_generations:
-        s.reason = f"no progress: {s.no_progress_generations} generations in a row without a new checkpoint"
+        s.reason = (
+            f"no progress: {s.no_progress_generations} generations in a row without a new "
+            + ("checkpoint" if s.seen_checkpoint else "step beyond the earlier generations'")
+        )
     elif s.restarts >= cfg.max_restarts:
         s.reason = f"restart budget spent ({cfg.max_restarts} restarts); last fault: {fault.message.splitlines()[0]}"
     if s.reason:
