@@ -103,3 +103,12 @@ def test_a_plain_script_gets_its_whole_restart_budget(tmp_path: Path) -> None:
     """No trainguard import: fails (differently) in restarts 0 and 1, finishes in restart 2."""
     logs = run_repro(tmp_path, "restart_budget_plain_script.py")
     assert "restart 2: finished" in logs
+
+
+def test_a_long_evaluation_without_step_reports_is_not_a_hang(tmp_path: Path) -> None:
+    """20 s of no_grad work every 20 steps on 2 nodes: the ranks are alive and busy (their
+    main threads use CPU), so no hang verdict; both evaluations finish."""
+    logs = run_repro(tmp_path, "eval_phase.py", "--steps", "45", run_args=("--nodes", "2"))
+    assert logs.count("rank 0: eval_end") == 2, logs[-2000:]
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert '"hang_suspected"' not in events and '"kind": "fault"' not in events

@@ -575,9 +575,12 @@ class Agent:
         for it in items:
             kind = it.get("t")
             if kind == "hb":
+                since = now - w.last_hb_mono if w.last_hb_mono is not None else None
                 w.last_hb_mono = now
                 if "coll" in it:
                     w.coll = (int(it["coll"][0]), int(it["coll"][1]))
+                if it.get("phase") or (since is not None and wk.working(w, it, since)):
+                    w.last_progress_mono = now
             elif kind == "alive":
                 w.last_hb_mono = w.last_progress_mono = now
             elif kind == "step":

@@ -51,6 +51,8 @@ class Worker:
     last_progress_at: float | None = None
     last_hb_mono: float | None = None
     coll: tuple[int, int] | None = None  # collectives (issued, done), from its heartbeats
+    fingerprint: int | None = None  # where its main thread was at the last heartbeat
+    main_cpu_s: float | None = None  # CPU seconds of its main thread at the last heartbeat
     durations: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64)
     )
@@ -89,6 +91,28 @@ class Worker:
             return None
         tail = [ln for ln in lines[-20:] if ln.strip()]
         return ("no traceback; last lines of its log:\n" + "\n".join(tail)) if tail else None
+
+
+# A main thread that used at least this share of one core between two heartbeats is working
+# (an evaluation loop of short forwards and sleeps uses ~0.05%–1%); one blocked in a
+# collective or a lock, or sleeping in a loop, uses ~0.001%.
+WORKING_CPU_SHARE = 1e-4
+
+
+def working(w: Worker, beat: dict[str, Any], since_s: float) -> bool:
+    """Does heartbeat ``beat`` show a rank that is neither stuck nor idle: its main thread
+    moved to other code or used CPU since the last beat (``since_s`` ago), and no collective
+    it issued is outstanding (the collective sequence numbers)? Updates ``w``'s record."""
+    fp, cpu = beat.get("fp"), beat.get("cpu")
+    moved = fp is not None and w.fingerprint is not None and fp != w.fingerprint
+    busy = (
+        cpu is not None
+        and w.main_cpu_s is not None
+        and cpu - w.main_cpu_s >= WORKING_CPU_SHARE * since_s
+    )
+    w.fingerprint, w.main_cpu_s = fp, cpu
+    stuck = w.coll is not None and w.coll[0] > w.coll[1]
+    return (moved or busy) and not stuck
 
 
 class SparePool:

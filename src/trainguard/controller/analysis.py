@@ -272,8 +272,10 @@ def localize_hang(
     3. Else the rank furthest behind in steps.
 
     Returns (node, worker, how, waiting) with ``waiting`` = rank → the collective number
-    it waits in, for every rank with an outstanding collective.
+    it waits in, for every rank with an outstanding collective. A rank that exited is never
+    the culprit (its heartbeat stopped because it finished or failed, which is seen on its own).
     """
+    workers = [(n, w) for n, w in workers if getattr(w, "state", "running") == "running"] or workers
     waiting = {
         w.rank: int(w.coll[0]) for _, w in workers if w.coll is not None and w.coll[0] > w.coll[1]
     }

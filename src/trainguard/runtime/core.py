@@ -84,6 +84,8 @@ class Runtime:
         self._first_issue: float | None = None
         self._last_done: float | None = None  # when its newest collective completed
         self._gap: float | None = None
+        self._main_ident = threading.main_thread().ident
+        self._phases: list[str] = []  # open rt.phase(...) blocks, innermost last
         addr = env.get(api.ENV_AGENT_ADDR)
         if addr:
             host, _, port = addr.rpartition(":")
@@ -263,18 +265,50 @@ class Runtime:
             except queue.Empty:
                 pass
             if time.monotonic() >= next_beat:
-                batch.append(
-                    {
-                        "t": "hb",
-                        "ts": time.time(),
-                        "step": self._last_step,
-                        "coll": [self.coll_issued, self.coll_done],
-                    }
-                )
+                beat = {
+                    "t": "hb",
+                    "ts": time.time(),
+                    "step": self._last_step,
+                    "coll": [self.coll_issued, self.coll_done],
+                    "fp": self._main_fingerprint(),
+                    "cpu": self._main_cpu_s(),
+                }
+                if self._phases:
+                    beat["phase"] = self._phases[-1]
+                batch.append(beat)
                 next_beat = time.monotonic() + self._heartbeat_s
             # Agent gone: heartbeats resume if it returns; nothing is lost here.
             with contextlib.suppress(OSError):
                 self._send_now({"t": "batch", "items": batch})
+
+    def _main_fingerprint(self) -> int:
+        """Where the main thread is: a hash of (file, line) of its innermost 16 frames. It
+        changes while the script runs Python code (an evaluation, an epilogue) and stays put
+        while the thread is blocked in one call (a stuck collective, a deadlock)."""
+        frame = sys._current_frames().get(self._main_ident or -1)
+        where = []
+        while frame is not None and len(where) < 16:
+            where.append((frame.f_code.co_filename, frame.f_lineno))
+            frame = frame.f_back
+        return hash(tuple(where)) & 0x7FFFFFFF
+
+    def _main_cpu_s(self) -> float | None:
+        """CPU seconds the main thread has used (None where the OS cannot tell)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._main_ident or 0))
+        except (AttributeError, OSError):
+            return None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a long part of the script without step reports (``with rt.phase("eval"):``):
+        while a fresh heartbeat says the rank is alive it is not called hung, however long the
+        phase lasts. A frozen process (no heartbeat) still is. Nested phases are fine."""
+        self._phases.append(name)
+        try:
+            yield
+        finally:
+            self._phases.pop()
 
     def close(self) -> None:
         """Stop the reporter thread (joined with a 2 s deadline)."""
