@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    rt = trainguard.init()
+    rt = trainguard.init(total_steps=args.steps)  # exit 0 before it: stopped, not finished
 
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))

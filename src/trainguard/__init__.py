@@ -3,7 +3,7 @@
 What a training script uses::
 
     import trainguard
-    rt = trainguard.init()
+    rt = trainguard.init(total_steps=steps)  # the step it ends at (optional)
     ckpt = trainguard.Checkpointer()
     start = ckpt.load(state) or 0
     ...

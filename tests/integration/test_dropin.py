@@ -4,13 +4,14 @@ tests/helpers/repros/ (users' shapes, copied verbatim), each with its expected o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, events, wait_for, worker_pid
 
 REPROS = ROOT / "tests" / "helpers" / "repros"
 CONFIG = 'preflight = "off"\nmax_restarts = 10\nheartbeat_s = 0.2\n'
@@ -112,3 +113,35 @@ def test_a_long_evaluation_without_step_reports_is_not_a_hang(tmp_path: Path) ->
     assert logs.count("rank 0: eval_end") == 2, logs[-2000:]
     events = (tmp_path / "run" / "events.jsonl").read_text()
     assert '"hang_suspected"' not in events and '"kind": "fault"' not in events
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_0_on_an_outside_sigterm_is_the_fault(tmp_path: Path) -> None:
+    """SIGTERM to rank 1's worker (it exits 0) while rank 0 trains: rank 1 is named."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainguard", "run", "--run-dir", str(run_dir), "--config"]
+        + [str(cfg), "--nodes", "2", str(REPROS / "sigterm_exit0.py"), "--steps", "24"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPROS,
+    )
+    try:
+        pid = worker_pid(run_dir, 1)
+        wait_for(lambda: reached_step_events(run_dir, 8), 120, "step 8")
+        os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]  # the fault is recovered and the job finishes
+    (fault, *_) = [e for e in events(run_dir) if e["kind"] == "fault"]
+    assert fault["rank"] == 1 and "left early" in fault["message"], fault
+
+
+def reached_step_events(run_dir: Path, step: int) -> bool:
+    return any(e["kind"] == "ckpt_staged" and e.get("step", 0) >= step for e in events(run_dir))

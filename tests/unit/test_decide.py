@@ -258,6 +258,41 @@ def test_a_plain_script_is_judged_by_its_restart_budget() -> None:
     assert "same error: " in sim.s.reason and "ModuleNotFoundError" in sim.s.reason
 
 
+def test_a_rank_that_left_early_with_status_0_is_the_culprit() -> None:
+    """Rank 1 exits 0 mid-run; rank 0 then fails on the lost connection: the fault is rank 1's."""
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation(step=20)
+    w1 = sim.worker("node1")
+    w1.state, w1.exit_code, w1.exited_at = "succeeded", 0, sim.now
+    sim.tick()
+    w0 = sim.worker("node0")
+    w0.state, w0.exit_code, w0.exited_at = "failed", 1, sim.now
+    w0.error = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    sim.tick(1.0)
+    (fault,) = [d for k, d in sim.events if k == "fault"]
+    assert fault["rank"] == 1 and "left early" in fault["message"], fault
+
+
+def test_ranks_that_all_exit_0_before_their_last_step_did_not_finish() -> None:
+    for step, phase in ((21, Phase.FAILED), (60, Phase.SUCCEEDED)):
+        sim = Sim(cfg(), 2)
+        sim.tick()
+        sim.run_generation(step=step)
+        for n in sim.s.assignment:
+            w = sim.worker(n)
+            w.state, w.exit_code, w.exited_at, w.total_steps = "succeeded", 0, sim.now, 60
+        sim.tick()
+        assert sim.s.phase == phase, sim.s.reason
+    sim = Sim(cfg(), 2)  # a script that never said where it ends: exit 0 is a finish
+    sim.tick()
+    sim.run_generation(step=21)
+    for n in sim.s.assignment:
+        w = sim.worker(n)
+        w.state, w.exit_code, w.exited_at = "succeeded", 0, sim.now
+    assert sim.tick().phase == Phase.SUCCEEDED
+
+
 def test_hang_names_the_frozen_rank() -> None:
     sim = Sim(cfg(), 2)
     sim.tick()

@@ -579,6 +579,8 @@ class Agent:
                 w.last_hb_mono = now
                 if "coll" in it:
                     w.coll = (int(it["coll"][0]), int(it["coll"][1]))
+                if it.get("total") is not None:
+                    w.total_steps = int(it["total"])
                 if it.get("phase") or (since is not None and wk.working(w, it, since)):
                     w.last_progress_mono = now
             elif kind == "alive":

@@ -53,6 +53,7 @@ class Worker:
     coll: tuple[int, int] | None = None  # collectives (issued, done), from its heartbeats
     fingerprint: int | None = None  # where its main thread was at the last heartbeat
     main_cpu_s: float | None = None  # CPU seconds of its main thread at the last heartbeat
+    total_steps: int | None = None  # the step the script said it ends at
     durations: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64)
     )
@@ -73,6 +74,7 @@ class Worker:
             "exited_at": self.exited_at,
             "last_progress_at": self.last_progress_at,
             "coll": list(self.coll) if self.coll is not None else None,
+            "total_steps": self.total_steps,
         }
 
     def read_error(self) -> str | None:

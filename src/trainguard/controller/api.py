@@ -203,6 +203,7 @@ class WorkerObs:
     exited_at: float | None = None  # wall clock, when the agent saw the exit
     last_progress_at: float | None = None  # wall clock of the last step advance
     coll: list[int] | None = None  # collectives [issued, done] (runtime timing; hang localization)
+    total_steps: int | None = None  # the step the script ends at (trainguard.init(total_steps=…))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

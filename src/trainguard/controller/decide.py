@@ -323,6 +323,30 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
     settle_s = 2 * cfg.heartbeat_s
     if failed and not culprits and now - min(f[0] for f in failed) < settle_s:
         return None  # only victims so far: give the culprit's report (or node loss) a moment
+    if failed and not culprits:
+        # The peers lost their connection: a rank that had already exited 0 left them (a
+        # trainer that exits 0 on SIGTERM, a rank that skipped its last steps).
+        first = min(f[0] for f in failed)
+        early = [
+            (w.exited_at, n, w)
+            for n in s.assignment
+            if n in obs and obs[n].generation == gen
+            for w in obs[n].workers.values()
+            if w.state == "succeeded" and w.exited_at is not None and w.exited_at <= first
+        ]
+        if early:
+            t, n, w = min(early, key=lambda x: x[0])
+            return Fault(
+                cause="worker_exit",
+                generation=gen,
+                rank=w.rank,
+                node_id=n,
+                step=w.step,
+                t_fault=t,
+                t_detected=now,
+                message=f"rank {w.rank} exited with status 0 at step {w.step} while its peers "
+                "were still running (left early); they lost their connection to it",
+            )
     if failed:
         t, n, w = min(culprits or failed, key=lambda x: x[0])
         code = w.exit_code or 0
@@ -460,8 +484,20 @@ def decide(
             _goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
             _goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
         elif len(workers) == world_of(s, cfg) and all(w.state == "succeeded" for w in workers):
-            s.reason = f"all {world_of(s, cfg)} ranks finished"
-            _goto(s, Phase.SUCCEEDED, now, events, s.reason)
+            short = [
+                w for w in workers if w.total_steps is not None and (w.step or 0) < w.total_steps
+            ]
+            if short:  # every rank exited 0, but before the end it announced: stopped, not done
+                w = min(short, key=lambda x: x.step or 0)
+                s.reason = (
+                    f"stopped early: every rank exited 0, rank {w.rank} at step {w.step} of "
+                    f"{w.total_steps} (an outside SIGTERM or a preemption?); re-run with the same "
+                    "--run-dir to resume"
+                )
+                _goto(s, Phase.FAILED, now, events, s.reason)
+            else:
+                s.reason = f"all {world_of(s, cfg)} ranks finished"
+                _goto(s, Phase.SUCCEEDED, now, events, s.reason)
         elif (
             s.phase == Phase.RENDEZVOUS
             and len(workers) == world_of(s, cfg)

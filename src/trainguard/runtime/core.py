@@ -85,6 +85,7 @@ class Runtime:
         self._last_done: float | None = None  # when its newest collective completed
         self._gap: float | None = None
         self._main_ident = threading.main_thread().ident
+        self.total_steps: int | None = None  # the step the script ends at, if it said
         self._phases: list[str] = []  # open rt.phase(...) blocks, innermost last
         addr = env.get(api.ENV_AGENT_ADDR)
         if addr:
@@ -275,6 +276,8 @@ class Runtime:
                 }
                 if self._phases:
                     beat["phase"] = self._phases[-1]
+                if self.total_steps is not None:
+                    beat["total"] = self.total_steps
                 batch.append(beat)
                 next_beat = time.monotonic() + self._heartbeat_s
             # Agent gone: heartbeats resume if it returns; nothing is lost here.
@@ -323,12 +326,20 @@ _runtime: Runtime | None = None
 _lock = threading.Lock()
 
 
-def init() -> Runtime:
-    """Return this process's runtime, creating it on first call (idempotent, thread-safe)."""
+def init(*, total_steps: int | None = None) -> Runtime:
+    """Return this process's runtime, creating it on first call (idempotent, thread-safe).
+
+    ``total_steps``: the step the script ends at. With it, ranks that all exit 0 before
+    reaching it (an outside SIGTERM, a preemption) are a stopped job, not a finished one.
+    Raises ValueError for a ``total_steps`` below 1."""
     global _runtime
+    if total_steps is not None and total_steps < 1:
+        raise ValueError(f"total_steps={total_steps}: must be >= 1")
     with _lock:
         if _runtime is None:
             _runtime = Runtime()
+        if total_steps is not None:
+            _runtime.total_steps = total_steps
         return _runtime
 
 
