@@ -145,3 +145,38 @@ def test_a_rank_that_exits_0_on_an_outside_sigterm_is_the_fault(tmp_path: Path) 
 
 def reached_step_events(run_dir: Path, step: int) -> bool:
     return any(e["kind"] == "ckpt_staged" and e.get("step", 0) >= step for e in events(run_dir))
+
+
+def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
+    """The README's script, taken literally: under trainguard with a kill it resumes from
+    memory; run again with plain python it says it resumed from the durable tier."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## What a training script does") :]
+    begin = section.index("```python\n") + len("```python\n")
+    code = section[begin : section.index("\n```", begin)]
+    assert "ckpt.close()" in code
+    script = tmp_path / "snippet.py"
+    script.write_text(code + "\n")
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG)
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", "--run-dir", str(run_dir), "--config"]
+        + [str(cfg), "--inject", "kill:rank=0:step=25", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    logs = (run_dir / "logs" / "rank0.gen1.log").read_text()
+    assert "trainguard: rank 0 restored step 24 from the memory tier" in logs, logs[-2000:]
+    assert [e["step"] for e in events(run_dir) if e["kind"] == "ckpt_durable"][-1] == 100
+    plain = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    again = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert "trainguard: rank 0 restored step 100 from the durable tier" in again.stderr

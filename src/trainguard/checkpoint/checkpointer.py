@@ -25,6 +25,7 @@ import gc
 import hashlib
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -54,6 +55,11 @@ from trainguard.runtime.core import init as runtime_init
 SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
 DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
 VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
+
+
+def _say(line: str) -> None:
+    """One line to the user on stderr (a re-run says where it resumed from)."""
+    print(f"trainguard: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -532,6 +538,7 @@ class Checkpointer:
                 self._rt.event(
                     "ckpt_load_end", step=step, tier=self._tier, duration_s=time.time() - t0
                 )
+                _say(f"rank {rank} restored step {step} from the {self._tier} tier")
                 return step
             problems = storage.verify(self.root, step)
             if problems:
@@ -550,6 +557,7 @@ class Checkpointer:
             self._rt.event("ckpt_load_start", step=step)
         self._load_durable(state, rank, step)
         self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
+        _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
         return step
 
     def _load_durable(self, state: dict[str, Any], rank: int, step: int) -> None:
