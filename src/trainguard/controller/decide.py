@@ -694,8 +694,8 @@ def _apply_policy(
             f"user error: the script failed before its first step in {s.prestep_failures} "
             f"generations in a row; last error: {_last_line(fault.message)}"
             if reports_steps
-            else f"user error: the script failed {s.prestep_failures} times in a row with the "
-            f"same error: {line}"
+            else f"user error: the script failed before its first step report, "
+            f"{s.prestep_failures} times in a row with the same error: {line}"
         )
     elif s.no_progress_generations >= cfg.no_progress_generations:
         s.reason = (
