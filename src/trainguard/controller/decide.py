@@ -484,8 +484,12 @@ def decide(
             _goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
             _goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
         elif len(workers) == world_of(s, cfg) and all(w.state == "succeeded" for w in workers):
+            done = s.restore_step or 0  # a generation that restored the last step runs none
             short = [
-                w for w in workers if w.total_steps is not None and (w.step or 0) < w.total_steps
+                w
+                for w in workers
+                if w.total_steps is not None
+                and (w.step if w.step is not None else done) < w.total_steps
             ]
             if short:  # every rank exited 0, but before the end it announced: stopped, not done
                 w = min(short, key=lambda x: x.step or 0)
