@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainguard.checkpoint import device, snapshot, storage
@@ -285,6 +285,8 @@ class Checkpointer:
         a value that cannot be serialized: the message names the key and the fix). Nothing
         already saved is touched.
         """
+        if step < 0:
+            raise ValueError(f"save(step={step}): steps are >= 0")
         self.wait_staged()
         durable = (
             (self.durable_every > 0 and step % self.durable_every == 0)
@@ -587,14 +589,21 @@ class Checkpointer:
             self._rt.event("ckpt_keys_created", step=step, tier="durable", count=len(filled))
         # no_dist: each rank reads its own keys (DTensor targets: the chunks overlapping its
         # shard); a collective here would deadlock against ranks that restore from memory.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(
-                conv,
-                checkpoint_id=str(path),
-                planner=state_mod.TypedLoadPlanner(),
-                no_dist=True,
-            )
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.load(
+                    conv,
+                    checkpoint_id=str(path),
+                    planner=state_mod.TypedLoadPlanner(),
+                    no_dist=True,
+                )
+        except CheckpointException as e:  # a BaseException: would escape `except Exception`
+            first = next((ln for ln in str(e).splitlines() if "Error" in ln), str(e)[:300])
+            raise CheckpointError(
+                f"step {step} of {self.root} does not fit this state ({first.strip()}); "
+                "the script's state must have the keys it had when it saved"
+            ) from None
         state_mod.apply(state, conv, rank)
 
     def _load_memory(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
@@ -686,9 +695,10 @@ class Checkpointer:
             path, h, sums, live.tensors, snapshot.restore_threads()
         )
         for key, raw in objects.items():
-            set_element(conv, mappings.get(key) or live.mappings[key], state_mod.decode_object(raw))
+            path = mappings.get(key) or live.mappings[key]
+            state_mod.set_path(conv, path, state_mod.decode_object(raw))
         for key, tensor in replaced.items():
-            set_element(conv, live.mappings[key], tensor)
+            state_mod.set_path(conv, live.mappings[key], tensor)
         state_mod.apply(state, conv, rank)
 
     # ------------------------------------------------------------------ durability

@@ -514,7 +514,10 @@ class Persister:
                 self._commit(step, gen, world)
             except (Exception, CheckpointException) as e:  # report, keep committing later steps
                 log.exception("committing step %d failed", step)
-                self.emit("ckpt_commit_failed", step=step, reason=f"{type(e).__name__}: {e}")
+                reason = describe_write_error(e, self.root, 1 << 20)
+                with self._cv:
+                    self._failed[step] = reason  # wait_durable() fails at once, with the reason
+                self.emit("ckpt_commit_failed", step=step, reason=reason)
             finally:
                 with self._cv:
                     self._busy -= 1

@@ -322,7 +322,7 @@ def restore(
                 f"restore target {key} is {dst.dtype} {tuple(dst.shape)}; the snapshot holds "
                 f"{d['dtype']} {tuple(d['shape'])}"
             )
-        if dst.device.type != "cpu" or not dst.is_contiguous():
+        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.is_conj() or dst.is_neg():
             buf = torch.empty(
                 dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda and torch.cuda.is_available()
             )

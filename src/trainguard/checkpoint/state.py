@@ -30,7 +30,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -117,7 +116,9 @@ def flatten_typed(
     """DCP's ``flatten_state_dict`` (same traversal, same flat keys), with paths that keep
     each dict key's own type: DCP's paths turn the int keys of an optimizer's ``state`` into
     strings, and a value restored along such a path lands under ``"0"`` beside the param id
-    ``0``. Keys other than str and int are stringified, as DCP does. ``paths=False``: the
+    ``0``. Keys other than str and int raise CheckpointError (DCP stringifies them, and the
+    restored value then lands under the string). Two values with one flat key (``{"a.b": x,
+    "a": {"b": y}}``) raise CheckpointError, as DCP does. ``paths=False``: the
     flat dict only (no path tuples built). ``plain``: where to put plain strided tensors that
     are values of a mapping instead of the flat dict (the snapshot's fast path; order kept
     within each)."""
@@ -126,7 +127,7 @@ def flatten_typed(
     mappings: dict[str, tuple[Any, ...]] = {}
 
     def leaf(key: str, path: tuple[Any, ...] | None, value: Any) -> None:
-        if key in flat:
+        if key in flat or key in fast:
             raise CheckpointError(f"two values of the state flatten to the same key {key}")
         flat[key] = value
         if path is not None:
@@ -135,8 +136,14 @@ def flatten_typed(
     def walk(prefix: str, path: tuple[Any, ...] | None, value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
+                if type(k) not in (str, int):
+                    raise CheckpointError(
+                        f"{prefix}: a key of type {type(k).__name__} ({k!r}); checkpoints keep "
+                        "str and int keys (DCP turns others into strings, which then restore "
+                        "under the string): use str(key) in the state"
+                    )
                 key = f"{prefix}.{k}"
-                sub = None if path is None else (*path, k if type(k) in (str, int) else str(k))
+                sub = None if path is None else (*path, k)
                 if type(v) in _PLAIN and key not in flat and key not in fast:  # common, inline
                     if fast is not flat and v.layout is not _STRIDED:
                         walk(key, sub, v)  # to the general path (refused there)
@@ -278,6 +285,28 @@ def decode_object(raw: bytes) -> Any:
     return torch.load(io.BytesIO(raw), weights_only=False)
 
 
+def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in nested dicts and lists (``flatten_typed`` paths). Unlike
+    DCP's ``set_element``, an int under a dict is a dict key (an optimizer's param id, an
+    epoch number), never a list index; a missing container is made a dict (the paths do not
+    say whether it was a list; the containers lazily created state lives in are dicts)."""
+    cur: Any = root
+    for key in path[:-1]:
+        if isinstance(cur, list):
+            while len(cur) <= key:
+                cur.append(None)
+            if cur[key] is None:
+                cur[key] = {}
+            cur = cur[key]
+        else:
+            cur = cur.setdefault(key, {})
+    last = path[-1]
+    if isinstance(cur, list):
+        while len(cur) <= last:
+            cur.append(None)
+    cur[last] = value
+
+
 def fill_missing(
     conv: dict[str, Any],
     live_keys: Iterable[str],
@@ -296,7 +325,7 @@ def fill_missing(
         if key in live or not path or path[0] not in conv:
             continue
         value = None if dtype is None else torch.empty(tuple(shape), dtype=dtype)
-        set_element(conv, tuple(path), value)
+        set_path(conv, tuple(path), value)
         filled.append(key)
     return filled
 
@@ -314,9 +343,8 @@ def replace_overlapping(conv: dict[str, Any]) -> list[str]:
     out = []
     for key, value in flat.items():
         if type(value) in (torch.Tensor, torch.nn.Parameter) and overlaps(value):
-            set_element(
-                conv, mappings[key], torch.empty_like(value, memory_format=torch.contiguous_format)
-            )
+            fresh = torch.empty_like(value, memory_format=torch.contiguous_format)
+            set_path(conv, mappings[key], fresh)
             out.append(key)
     return out
 
@@ -350,3 +378,11 @@ class TypedLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, *args, **kwargs)
         if self.flatten_state_dict:
             self.mappings = flatten_typed(self.original_state_dict)[1]
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = torch.load(value, weights_only=False)
+        if self.flatten_state_dict and fqn in self.mappings:
+            set_path(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import crc32c
@@ -89,7 +90,8 @@ def commit(
     """Write the manifest (``files``, or checksums of everything in ``tmp``), fsync, and
     atomically publish ``tmp`` as ``step_<step>``. Returns the final path.
 
-    Raises FileExistsError if the step is already committed (the older copy is kept).
+    Raises FileExistsError if the step is already committed by this generation and verifies
+    (that copy is kept); a copy of another generation, or a corrupt one, is replaced.
     """
     if files is None:
         files = file_sums(tmp)
@@ -102,7 +104,18 @@ def commit(
     _fsync_dir(tmp)
     final = step_dir(root, step)
     if final.exists():
-        raise FileExistsError(f"checkpoint step {step} already committed at {final}")
+        if committed_generation(root, step) == generation and not verify(root, step):
+            raise FileExistsError(f"checkpoint step {step} already committed at {final}")
+        # A copy of another generation (a run that resumed from before it: its timeline was
+        # abandoned) or one that fails verification: the new, complete copy replaces it. The
+        # old one moves aside first, so some complete step_N exists at every moment but one
+        # rename apart, and is deleted only after the new one is in place.
+        aside = root / f".replaced-step_{step}-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
+        return final
     os.rename(tmp, final)
     _fsync_dir(root)
     return final

@@ -1,0 +1,91 @@
+"""Edges of the checkpoint engine found by trying to break it: standalone Checkpointers in
+this process (persister threads, real slot files, real DCP directories)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainguard.checkpoint import storage
+from trainguard.checkpoint.api import CheckpointError
+from trainguard.checkpoint.checkpointer import Checkpointer
+
+
+@pytest.fixture(autouse=True)
+def private_shm(tmp_path: Path) -> Iterator[None]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    old = os.environ.get("TRAINGUARD_SHM_DIR")
+    os.environ["TRAINGUARD_SHM_DIR"] = str(shm)
+    yield
+    if old is None:
+        os.environ.pop("TRAINGUARD_SHM_DIR", None)
+    else:
+        os.environ["TRAINGUARD_SHM_DIR"] = old
+
+
+def _save(root: Path, steps: range, make: object) -> None:
+    ck = Checkpointer(root, durable_every=1)
+    for step in steps:
+        ck.save(step, make(step))  # type: ignore[operator]
+    ck.close()
+
+
+def test_int_keys_round_trip_as_int_keys(tmp_path: Path) -> None:
+    def make(step: int) -> dict[str, object]:
+        return {"history": {1: 0.9 * step, 5: "five"}, "w": {7: torch.full((3,), float(step))}}
+
+    _save(tmp_path / "ck", range(1, 3), make)
+    state: dict[str, object] = {"history": {}, "w": {7: torch.zeros(3)}}
+    assert Checkpointer(tmp_path / "ck").load(state) == 2
+    assert state["history"] == {1: 1.8, 5: "five"}  # int keys stay int keys
+    assert torch.equal(state["w"][7], torch.full((3,), 2.0))  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("state", "needle"),
+    [
+        ({"m": {"a": {"b": torch.ones(2)}, "a.b": torch.zeros(2)}}, "same key m.a.b"),
+        ({"h": {2.5: 1}}, "a key of type float"),
+    ],
+)
+def test_states_no_checkpoint_can_restore_are_refused_at_save(
+    tmp_path: Path, state: dict[str, object], needle: str
+) -> None:
+    ck = Checkpointer(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=needle):
+        ck.save(1, state)
+    with pytest.raises(ValueError, match="steps are >= 0"):
+        ck.save(-1, {"w": torch.ones(1)})
+    ck.close()
+
+
+def test_a_step_saved_again_after_resuming_past_a_corrupt_copy_replaces_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ck"
+    _save(root, range(1, 4), lambda s: {"w": torch.full((4,), float(s))})
+    part = next((root / "step_3").rglob("*.distcp"))
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))  # step 3 on disk is now corrupt
+    state = {"w": torch.zeros(4)}
+    ck = Checkpointer(root, durable_every=1)
+    assert ck.load(state) == 2  # the corrupt step is skipped
+    state["w"].fill_(33.0)
+    ck.save(3, state)  # the same step number again, from the resumed run
+    ck.close()
+    assert storage.verify(root, 3) == []
+    again = {"w": torch.zeros(4)}
+    assert Checkpointer(root).load(again) == 3 and torch.equal(again["w"], torch.full((4,), 33.0))
+    assert not list(root.glob(".tmp-step_*")) and not list(root.glob(".replaced-*"))
+
+
+def test_a_state_with_a_key_the_checkpoint_lacks_is_one_checkpoint_error(tmp_path: Path) -> None:
+    _save(tmp_path / "ck", range(1, 2), lambda s: {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="does not fit this state"):
+        Checkpointer(tmp_path / "ck").load({"w": torch.zeros(2), "extra": torch.zeros(1)})
