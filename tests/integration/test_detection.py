@@ -36,6 +36,7 @@ def alerts(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events(run_dir) if e["kind"] in ALERTS]
 
 
+@pytest.mark.slow  # minutes on 2 cores: in CI's slow run
 def test_a_slow_rank_among_eight_is_named_with_its_node_and_alerted(tmp_path: Path) -> None:
     hook = http.server.HTTPServer(("127.0.0.1", 0), Webhook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()

@@ -145,6 +145,7 @@ def test_a_node_whose_gemm_is_wrong_is_caught_and_the_quick_level_takes_under_a_
 
 
 @ROOT_ONLY
+@pytest.mark.slow  # minutes on 2 cores: in CI's slow run
 def test_a_cpu_throttled_node_is_flagged_for_slow_gemm(tmp_path: Path, hosts: Hosts) -> None:
     cg = CPU_CGROUP / f"tgtest{os.getpid()}"
     cg.mkdir()
@@ -162,6 +163,7 @@ def test_a_cpu_throttled_node_is_flagged_for_slow_gemm(tmp_path: Path, hosts: Ho
 
 
 @ROOT_ONLY
+@pytest.mark.slow  # minutes on 2 cores: in CI's slow run
 def test_a_rate_limited_link_is_flagged_for_slow_collectives(tmp_path: Path, hosts: Hosts) -> None:
     subprocess.run(
         hosts.cmd(2, ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "100mbit",
