@@ -39,17 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from checkpoint import median_time  # beside this file
 
 REPEATS = 9
 
 
-def med(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+def med(fn: Callable[[], Any]) -> float:
+    return median_time(fn, REPEATS)
 
 
 def settle(ck: Any) -> None:

@@ -13,7 +13,15 @@ import dataclasses
 from typing import Any
 
 from trainguard.controller.analysis import localize_hang
-from trainguard.controller.api import Fault, JobConfig, NodeObs, Phase, Pool, Recovery
+from trainguard.controller.api import (
+    Fault,
+    JobConfig,
+    NodeObs,
+    Phase,
+    Pool,
+    Recovery,
+    WorkerObs,
+)
 
 Event = tuple[str, dict[str, Any]]
 # Errors a rank raises when a *peer* died under a collective (gloo, NCCL): such a rank
@@ -253,6 +261,22 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _worker_fault(
+    gen: int, node: str, w: WorkerObs, t: float, now: float, cause: str, what: str
+) -> Fault:
+    """The fault of rank ``w`` on ``node``, first seen at ``t``: "rank R <what>"."""
+    return Fault(
+        cause=cause,
+        generation=gen,
+        rank=w.rank,
+        node_id=node,
+        step=w.step,
+        t_fault=t,
+        t_detected=now,
+        message=f"rank {w.rank} {what}",
+    )
+
+
 def _victim(error: str | None) -> bool:
     return error is not None and any(p in error for p in _PEER_LOSS)
 
@@ -336,32 +360,15 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         ]
         if early:
             t, n, w = min(early, key=lambda x: x[0])
-            return Fault(
-                cause="worker_exit",
-                generation=gen,
-                rank=w.rank,
-                node_id=n,
-                step=w.step,
-                t_fault=t,
-                t_detected=now,
-                message=f"rank {w.rank} exited with status 0 at step {w.step} while its peers "
-                "were still running (left early); they lost their connection to it",
-            )
+            why = "exited with status 0 at step {} while its peers were still running (left "
+            why += "early); they lost their connection to it"
+            return _worker_fault(gen, n, w, t, now, "worker_exit", why.format(w.step))
     if failed:
         t, n, w = min(culprits or failed, key=lambda x: x[0])
         code = w.exit_code or 0
         cause = "worker_crash" if code < 0 else "worker_exit"
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return Fault(
-            cause=cause,
-            generation=gen,
-            rank=w.rank,
-            node_id=n,
-            step=w.step,
-            t_fault=t,
-            t_detected=now,
-            message=f"rank {w.rank} {what}" + (f": {w.error}" if w.error else ""),
-        )
+        return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
     hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
     if hung:
         workers = [
