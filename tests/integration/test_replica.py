@@ -89,18 +89,3 @@ def test_a_corrupted_push_is_not_published(tmp_path: Path, server: tuple) -> Non
         replica.push(srv.addr, TOKEN, slot, 0, 5, 0, bad)
     assert srv.index() == {}
     assert not list(tmp_path.glob("*replica*"))
-
-
-def test_two_replicas_per_rank_are_kept(tmp_path: Path, server: tuple) -> None:
-    """A host killed between two pushes leaves its ranks' newest replicas a step apart: the
-    step before the newest is still held, so every rank can restore the same one."""
-    srv, _ = server
-    for step in (5, 6, 7):
-        slot, sums = _slot(tmp_path, step)
-        replica.push(srv.addr, TOKEN, slot, 0, step, 0, sums)
-    assert sorted(srv.index()[0]) == [(6, 0), (7, 0)]
-    dest = tmp_path / f"trainguard-{JOB}-new-r0-s0"
-    replica.pull(srv.addr, TOKEN, dest, 0, 6, 0)  # the older one is served too
-    assert snapshot.peek_header(dest)["step"] == 6
-    with pytest.raises(CheckpointError, match="no replica"):
-        replica.pull(srv.addr, TOKEN, dest, 0, 5, 0)  # the oldest was replaced

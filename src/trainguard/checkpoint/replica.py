@@ -12,11 +12,8 @@ before anything else is read. Then one request as a JSON line, and raw bytes:
   ``{"error": …}``
 
 Nothing received is unpickled: requests are JSON, snapshots are bytes checked by CRC-32C.
-A replica is a file in the slot format (``<shm>/trainguard-<job>-<node>-replica<i>-r<rank>``,
-with its ``.sum``), so the receiving side verifies and restores it like a local slot. Two are
-kept per source rank, as a rank keeps two memory slots: the source's ranks reach the peer one
-push at a time, so when a host dies between two pushes its ranks' newest replicas may be one
-step apart, and the older copy still gives every rank the same step.
+A replica is a file in the slot format (``<shm>/trainguard-<job>-<node>-replica-r<rank>``,
+with its ``.sum``), so the receiving side verifies and restores it like a local slot.
 """
 
 from __future__ import annotations
@@ -86,24 +83,8 @@ def _recv_into_file(sock: socket.socket, path: Path, nbytes: int) -> None:
             left -= n
 
 
-REPLICAS_PER_RANK = 2
-
-
-def replica_paths(shm_dir: Path, job: str, node: str, rank: int) -> list[Path]:
-    """The files that hold replicas of ``rank`` on this node (newest and the one before)."""
-    return [
-        shm_dir / f"trainguard-{job}-{node}-replica{i}-r{rank}" for i in range(REPLICAS_PER_RANK)
-    ]
-
-
-def _older(paths: list[Path]) -> Path:
-    """The file to overwrite: an empty one, else the one holding the older step."""
-
-    def age(p: Path) -> tuple[int, int]:
-        h = snapshot.peek_header(p)
-        return (-1, -1) if h is None else (h["generation"], h["step"])
-
-    return min(paths, key=age)
+def replica_path(shm_dir: Path, job: str, node: str, rank: int) -> Path:
+    return shm_dir / f"trainguard-{job}-{node}-replica-r{rank}"
 
 
 def store_verified(tmp: Path, final: Path, rank: int, step: int, gen: int, sums: Any) -> str | None:
@@ -158,7 +139,7 @@ class ReplicaServer:
     def index(self) -> dict[int, list[tuple[int, int]]]:
         """Source rank → (step, generation) of the verified replica held here."""
         out: dict[int, list[tuple[int, int]]] = {}
-        for path in self.shm_dir.glob(f"trainguard-{self.job}-{self.node}-replica*-r*"):
+        for path in self.shm_dir.glob(f"trainguard-{self.job}-{self.node}-replica-r*"):
             if path.name.endswith((".sum", ".tmp")):
                 continue
             h = snapshot.peek_header(path)
@@ -210,9 +191,9 @@ class ReplicaServer:
 
     def _push(self, conn: socket.socket, req: dict[str, Any]) -> dict[str, Any]:
         rank, step, gen = int(req["rank"]), int(req["step"]), int(req["generation"])
-        with self._lock:  # one push at a time is plenty; keeps the file logic simple
-            final = _older(replica_paths(self.shm_dir, self.job, self.node, rank))
-            tmp = final.with_name(final.name + ".tmp")
+        final = replica_path(self.shm_dir, self.job, self.node, rank)
+        tmp = final.with_name(final.name + ".tmp")
+        with self._lock:  # one push per rank at a time is plenty; keeps the file logic simple
             _recv_into_file(conn, tmp, int(req["nbytes"]))
             problem = store_verified(tmp, final, rank, step, gen, req["sums"])
         if problem:
@@ -222,13 +203,11 @@ class ReplicaServer:
 
     def _pull(self, conn: socket.socket, req: dict[str, Any]) -> None:
         rank, step, gen = int(req["rank"]), int(req["step"]), int(req["generation"])
+        path = replica_path(self.shm_dir, self.job, self.node, rank)
         with self._lock:
-            for path in replica_paths(self.shm_dir, self.job, self.node, rank):
-                h = snapshot.peek_header(path)
-                sums = snapshot.read_sums(path, step, gen)
-                if h is not None and (h["step"], h["generation"]) == (step, gen) and sums:
-                    break
-            else:
+            h = snapshot.peek_header(path)
+            sums = snapshot.read_sums(path, step, gen)
+            if h is None or (h["step"], h["generation"]) != (step, gen) or sums is None:
                 _send_line(conn, {"error": f"no replica of rank {rank} step {step} here"})
                 return
             nbytes = path.stat().st_size
