@@ -21,7 +21,7 @@ non-blocking host → device copy).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -135,8 +135,3 @@ class Stager:
 
     def host(self, indices: list[int]) -> list[torch.Tensor]:
         return [self.buffers[i] for i in indices]
-
-
-def is_device(t: Any) -> bool:
-    """Is ``t`` a tensor outside host memory (needs staging before the slot)?"""
-    return isinstance(t, torch.Tensor) and not t.is_cpu and not t.is_meta

@@ -123,6 +123,8 @@ class Layout:
         sig = _SIGNATURES.get(id(self))
         if sig is None or sig[0] is not self:
             sig = (self, self.signature())
+            if len(_SIGNATURES) >= 8:  # layouts of earlier saves: only recent ones are reused
+                _SIGNATURES.clear()
             _SIGNATURES[id(self)] = sig
         return sig[1]
 
