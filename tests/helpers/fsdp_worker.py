@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ def main() -> int:
         same = _equal(got, want)
         print(json.dumps({"rank": rank, "step": step, "equal": same}), flush=True)
         ckpt.close()
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
@@ -132,4 +134,10 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    # Skip interpreter finalization: a gloo worker thread that still drops its last tensor
+    # reference then needs the GIL and aborts the process ("terminate called without an active
+    # exception", pytorch/pytorch#190489), once in many runs. Everything this helper shows is
+    # printed and written by now.
+    os._exit(rc)
