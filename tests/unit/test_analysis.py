@@ -118,6 +118,13 @@ def test_the_rank_that_did_not_issue_the_collective_holds_the_others() -> None:
     assert localize_hang(frozen, stale_s=1.0)[1].rank == 3  # a frozen process comes first
     plain = [("n0", obs(0, 12, None)), ("n1", obs(1, 11, None))]
     assert localize_hang(plain, stale_s=1.0)[1].rank == 1  # no counters: furthest behind
+    stopped = [*ws[:3], ("n1", obs(3, 19, [41, 40], hb=9.0))]
+    stopped[1][1].proc_state = "stopped"  # a SIGSTOPped process beats a stale heartbeat
+    assert localize_hang(stopped, stale_s=1.0)[1:3] == (
+        stopped[1][1],
+        localize_hang(stopped, 1.0)[2],
+    )
+    assert "stopped process" in localize_hang(stopped, stale_s=1.0)[2]
 
 
 def test_decide_replaces_an_evicted_node_at_a_checkpoint_boundary() -> None:

@@ -500,3 +500,28 @@ def test_replica_peers_form_a_ring_of_the_configured_size() -> None:
     assert replica_peers(s, "a", obs, cfg(nodes=3, replicas=False)) == []
     one = JobState(assignment={"a": 0}, pools={"a": Pool.RUNNING, "s": Pool.STANDBY})
     assert replica_peers(one, "a", obs, cfg(nodes=1)) == ["s:1"]
+
+
+def test_a_plain_job_is_wedged_only_when_every_rank_idles() -> None:
+    """No runtime: one idle rank may wait for a busy peer; all idle past the limit is a hang."""
+    from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+    from trainguard.controller.decide import JobState, _detect_fault
+
+    cfg = JobConfig(
+        script="t.py", run_dir="/tmp/x", nodes=2, preflight="off", hang_timeout_max_s=60
+    )
+    s = JobState(phase=Phase.RUNNING, generation=0, assignment={"a": 0, "b": 1},
+                 pools={"a": Pool.RUNNING, "b": Pool.RUNNING}, join_order=["a", "b"])  # fmt: skip
+
+    def node(n: str, rank: int, idle: float, runtime: bool = False) -> NodeObs:
+        w = WorkerObs(rank=rank, local_rank=0, pid=rank + 1, state="running", cpu_idle_s=idle,
+                      runtime=runtime)  # fmt: skip
+        return NodeObs(node_id=n, addr=n, incarnation="i", last_seen=100.0, generation=0,
+                       workers={rank: w})  # fmt: skip
+
+    assert _detect_fault(s, {"a": node("a", 0, 90.0), "b": node("b", 1, 5.0)}, 100.0, cfg) is None
+    f = _detect_fault(s, {"a": node("a", 0, 61.0), "b": node("b", 1, 70.0)}, 100.0, cfg)
+    assert f is not None and (f.cause, f.rank, f.node_id) == ("hang", 1, "b")
+    assert "no rank used CPU for 60s" in f.message
+    ran = {"a": node("a", 0, 61.0, runtime=True), "b": node("b", 1, 70.0)}
+    assert _detect_fault(s, ran, 100.0, cfg) is None  # the runtime's heartbeats judge it

@@ -32,3 +32,24 @@ def test_round_trip() -> None:
 def test_rejects_bad_specs_with_the_form(bad: str) -> None:
     with pytest.raises(ValueError, match="--inject"):
         parse_inject(bad, 0)
+
+
+def test_timed_drills_for_any_script() -> None:
+    s = parse_inject("kill:rank=1:after=2.5", 0)
+    assert (s.step, s.after, s.describe()) == (None, 2.5, "kill:rank=1:after=2.5")
+    assert parse_inject("node-down:node=1:after=3", 0).describe() == "node-down:node=1:after=3"
+    assert loads(dumps([s])) == [s]
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("exit:rank=1:code=2:after=3", "needs step=S"),  # only the runtime can exit the script
+        ("kill:rank=1:step=3:after=2", "not both"),
+        ("hang:rank=1:after=-1", ">= 0"),
+        ("hang:rank=1:after=inf", ">= 0"),
+    ],
+)
+def test_timed_drills_are_refused_where_they_cannot_work(bad: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_inject(bad, 0)

@@ -37,6 +37,7 @@ from typing import Any
 
 import psutil
 
+from trainguard.agent import outside
 from trainguard.agent import workers as wk
 from trainguard.agent.checks import CheckRunner
 from trainguard.checkpoint import ckptd as ckptd_mod
@@ -112,6 +113,8 @@ class Agent:
         self._run_desired: dict[str, Any] = {}
         self.workers: dict[int, wk.Worker] = {}
         self._hang = False
+        self._drills_fired: set[int] = set()  # timed drills (after=T) fired by this agent
+        self._sampled_mono = 0.0  # when the outside view was last read
         self._stopped_generation = -1
         self._stopped_at: float | None = None
         self._cleaned_at: float | None = None
@@ -219,6 +222,7 @@ class Agent:
                     break
                 self._drain_udp()
                 self._poll_workers()
+                self._watch_outside()
                 self._watch_hangs()
                 self._fence()
                 if self._reconcile():
@@ -524,15 +528,49 @@ class Agent:
             )
             self._report_now.set()
 
+    def _watch_outside(self) -> None:
+        """Once a second: each worker's process state and CPU time, and the timed drills."""
+        now = time.monotonic()
+        if not self.workers or now - self._sampled_mono < outside.SAMPLE_S:
+            return
+        self._sampled_mono = now
+        for w in self.workers.values():
+            if w.state == "running":
+                outside.sample(w, now)
+        d = self._run_desired
+        due = outside.due_drills(
+            d.get("injects", []), self._drills_fired, self.workers, int(d["node_rank"]), now
+        )
+        for spec, w in due:
+            self._drills_fired.add(spec.id)
+            self._event(
+                "inject_fired",
+                generation=self.generation,
+                rank=w.rank,
+                inject=spec.to_json(),
+                step=w.step,
+                after_s=round(now - w.started_mono, 3),
+            )
+            log.warning("drill %s fired on rank %d", spec.describe(), w.rank)
+            outside.fire(spec, w, self._power_off)
+
     def _watch_hangs(self) -> None:
         if self._hang or not self.workers:
             return
         now = time.monotonic()
         for w in self.workers.values():
-            if w.state != "running" or w.last_hb_mono is None:
-                continue  # a script without the runtime gets crash detection only
+            if w.state != "running":
+                continue
             ref = w.last_progress_mono if w.last_progress_mono is not None else w.started_mono
             limit = hang_limit(self._run_desired, w)
+            seen = outside.stalled(w, self._run_desired, now)
+            if seen is not None:
+                stalled_s, limit, how = seen
+                ref = now - stalled_s
+            elif w.last_hb_mono is None:
+                continue  # no runtime: the controller judges its CPU idleness (all ranks)
+            else:
+                how = "no step or heartbeat progress"
             if now - ref > limit:
                 self._hang = True
                 self._report_now.set()
@@ -546,6 +584,7 @@ class Agent:
                     step=w.step,
                     stalled_s=round(now - ref, 3),
                     limit_s=round(limit, 3),
+                    how=how,
                     progress={x.rank: x.step for x in self.workers.values()},
                     stacks=stacks,
                 )

@@ -54,6 +54,12 @@ class Worker:
     fingerprint: int | None = None  # where its main thread was at the last heartbeat
     main_cpu_s: float | None = None  # CPU seconds of its main thread at the last heartbeat
     total_steps: int | None = None  # the step the script said it ends at
+    # The outside view (agent/outside.py): process state and its tree's CPU time.
+    proc_state: str | None = None  # psutil status; "stopped" for SIGSTOP / ptrace stop
+    stopped_since_mono: float | None = None
+    tree_cpu_s: float | None = None
+    cpu_checked_mono: float | None = None
+    cpu_progress_mono: float | None = None  # when its process tree last used CPU
     durations: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64)
     )
@@ -75,6 +81,11 @@ class Worker:
             "last_progress_at": self.last_progress_at,
             "coll": list(self.coll) if self.coll is not None else None,
             "total_steps": self.total_steps,
+            "proc_state": self.proc_state,
+            "cpu_idle_s": None
+            if self.cpu_progress_mono is None
+            else max(0.0, now_mono - self.cpu_progress_mono),
+            "runtime": self.last_hb_mono is not None,
         }
 
     def read_error(self) -> str | None:

@@ -264,6 +264,7 @@ def localize_hang(
 ) -> tuple[str, Any, str, dict[int, int]]:
     """Which rank holds a hung job: ``workers`` are (node, WorkerObs) of the generation.
 
+    0. A rank whose process is stopped (``proc_state`` "stopped": SIGSTOP, a debugger).
     1. A rank whose heartbeat stopped (``heartbeat_age_s`` > ``stale_s``): its process froze.
     2. Collective sequence numbers (``coll`` = [issued, done], from the runtime): the ranks
        that issued collective #k and wait for it are victims; a rank that has not issued #k
@@ -279,6 +280,10 @@ def localize_hang(
     waiting = {
         w.rank: int(w.coll[0]) for _, w in workers if w.coll is not None and w.coll[0] > w.coll[1]
     }
+    frozen = [(n, w) for n, w in workers if getattr(w, "proc_state", None) == "stopped"]
+    if frozen:
+        n, w = min(frozen, key=lambda nw: nw[1].rank)
+        return n, w, "is a stopped process (SIGSTOP or a debugger)", waiting
     stale = [(n, w) for n, w in workers if (w.heartbeat_age_s or 0) > stale_s]
     if stale:
         n, w = min(stale, key=lambda nw: nw[1].rank)
@@ -304,4 +309,6 @@ def localize_hang(
             -(nw[1].progress_age_s or 0),
         ),
     )
+    if all(x.step is None for _, x in workers):  # no runtime: CPU time is all that was seen
+        return n, w, "used no CPU (the script reports no steps)", waiting
     return n, w, "furthest behind", waiting

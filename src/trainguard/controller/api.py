@@ -204,6 +204,9 @@ class WorkerObs:
     last_progress_at: float | None = None  # wall clock of the last step advance
     coll: list[int] | None = None  # collectives [issued, done] (runtime timing; hang localization)
     total_steps: int | None = None  # the step the script ends at (trainguard.init(total_steps=…))
+    proc_state: str | None = None  # its process as the kernel has it; "stopped": SIGSTOP / ptrace
+    runtime: bool = False  # its script runs trainguard's runtime (heartbeats seen)
+    cpu_idle_s: float | None = None  # since its process tree last used CPU (agent/outside.py)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -320,6 +320,30 @@ def _node_fault(s: JobState, cause: str, node: str, t_fault: float, now: float, 
     )
 
 
+def _wedged_without_runtime(
+    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig, gen: int
+) -> tuple[str, WorkerObs, float] | None:
+    """A generation whose script runs no trainguard runtime, in which every rank's processes
+    used no CPU for the hang timeout (fixed, else its ceiling): (node, the rank idle longest,
+    limit). One idle rank alone is no verdict: it may wait for a busy peer."""
+    if s.phase != Phase.RUNNING:
+        return None
+    live = [
+        (n, w)
+        for n in s.assignment
+        if n in obs and obs[n].generation == gen
+        for w in obs[n].workers.values()
+        if w.state == "running"
+    ]
+    limit = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else cfg.hang_timeout_max_s
+    if len(live) < world_of(s, cfg) or any(w.runtime for _, w in live):
+        return None
+    if all(w.cpu_idle_s is not None and w.cpu_idle_s > limit for _, w in live):
+        n, w = max(live, key=lambda nw: (nw[1].cpu_idle_s or 0.0, -nw[1].rank))
+        return n, w, limit
+    return None
+
+
 def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Fault | None:
     """First fault of the current generation, culprit localized where the reports allow."""
     gen = s.generation
@@ -387,7 +411,24 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             step=w.step,
             t_fault=w.last_progress_at or now,
             t_detected=now,
-            message=f"no progress; rank {w.rank} on {n} {how}, at step {w.step}{victims}",
+            message=f"no progress; rank {w.rank} on {n} {how}"
+            + (f", at step {w.step}" if w.step is not None else "")
+            + victims,
+        )
+    wedged = _wedged_without_runtime(s, obs, cfg, gen)
+    if wedged is not None:
+        n, w, limit = wedged
+        return Fault(
+            cause="hang",
+            generation=gen,
+            rank=w.rank,
+            node_id=n,
+            step=None,
+            t_fault=now - (w.cpu_idle_s or 0.0),
+            t_detected=now,
+            message=f"no progress; no rank used CPU for {limit:.0f}s (the script reports no "
+            f"steps, so which rank holds the others is unknown; rank {w.rank} on {n} idled "
+            "longest)",
         )
     if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.rendezvous_timeout_s:
         return Fault(
@@ -508,6 +549,10 @@ def decide(
                 _goto(s, Phase.FAILED, now, events, s.reason)
             else:
                 s.reason = f"all {world_of(s, cfg)} ranks finished"
+                if s.recovery is not None and s.recovery.to_generation == gen:
+                    # a script without step reports: its restart counts once it finished
+                    s.recoveries.append(s.recovery)
+                    s.recovery = None
                 _goto(s, Phase.SUCCEEDED, now, events, s.reason)
         elif (
             s.phase == Phase.RENDEZVOUS

@@ -3,11 +3,16 @@
 Kinds (each fires once per job, not again after the restart it causes):
 
 - ``kill:rank=R:step=S``      SIGKILL the worker of rank R at the end of step S
+- ``kill:rank=R:after=T``     SIGKILL it T seconds after its worker started (the agent does
+                              it: works for any script, also one that never reports steps)
 - ``exit:rank=R:step=S:code=C`` the worker exits with status C at the end of step S
 - ``hang:rank=R:step=S``      rank R stops making progress at step S; its process and
                               its heartbeat thread stay alive
+- ``hang:rank=R:after=T``     the agent SIGSTOPs rank R's process group T seconds after start
+                              (a frozen process, for any script)
 - ``node-down:node=N:step=S`` SIGKILL node N's agent and all its workers (power loss)
-                              when that node's first rank ends step S
+                              when that node's first rank ends step S (or ``after=T``
+                              seconds after that node's workers started)
 - ``slow:rank=R:factor=F[:step=S]`` rank R's steps take F times as long (sleep injection),
                               from step S on (default: from its process's second step)
 - ``hang-collective:rank=R:step=S`` rank R stops inside its first collective of step S,
@@ -37,6 +42,8 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "nan": ("step",),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step",)}
+# Kinds the agent can fire by time, from outside the process: ``after=T`` replaces ``step=S``.
+TIMED = ("kill", "hang", "node-down")
 _EXAMPLE = "kill:rank=1:step=20"
 
 
@@ -51,6 +58,7 @@ class InjectSpec:
     step: int | None = None
     code: int = 1
     factor: float = 1.0
+    after: float | None = None  # seconds after the worker started (agent-fired drills)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,6 +74,8 @@ class InjectSpec:
             return f"{self.kind}:step={self.step}"
         where = f"node={self.node}" if self.kind == "node-down" else f"rank={self.rank}"
         tail = f":factor={self.factor}" if self.kind == "slow" else f":step={self.step}"
+        if self.after is not None:
+            tail = f":after={self.after:g}"
         if self.kind == "slow" and self.step is not None:
             tail += f":step={self.step}"
         return f"{self.kind}:{where}{tail}"
@@ -85,18 +95,34 @@ def parse_inject(text: str, index: int) -> InjectSpec:
         if not sep or not value:
             raise ValueError(f"--inject {text!r}: {part!r} is not key=value (e.g. {_EXAMPLE})")
         fields[key] = value
-    missing = [k for k in _REQUIRED[kind] if k not in fields]
-    extra = [k for k in fields if k not in _REQUIRED[kind] + _OPTIONAL.get(kind, ())]
+    required = _REQUIRED[kind]
+    if "after" in fields:
+        if kind not in TIMED:
+            raise ValueError(
+                f"--inject {text!r}: after=SECONDS works for {', '.join(TIMED)} only (the "
+                f"agent fires those from outside the process); {kind} needs step=S and a "
+                f"script that reports steps (trainguard.init / Runtime.step_end)"
+            )
+        if "step" in fields:
+            raise ValueError(f"--inject {text!r}: give step=S or after=SECONDS, not both")
+        required = tuple(k if k != "step" else "after" for k in required)
+    missing = [k for k in required if k not in fields]
+    extra = [k for k in fields if k not in required + _OPTIONAL.get(kind, ())]
     if missing or extra:
         want = ":".join(f"{k}=…" for k in _REQUIRED[kind])
-        raise ValueError(f"--inject {text!r}: {kind} takes {kind}:{want}")
+        alt = " (or after=SECONDS for step)" if kind in TIMED else ""
+        raise ValueError(f"--inject {text!r}: {kind} takes {kind}:{want}{alt}")
     try:
-        kw: dict[str, Any] = {k: (float(v) if k == "factor" else int(v)) for k, v in fields.items()}
+        kw: dict[str, Any] = {
+            k: (float(v) if k in ("factor", "after") else int(v)) for k, v in fields.items()
+        }
     except ValueError:
         raise ValueError(f"--inject {text!r}: values must be numbers (e.g. {_EXAMPLE})") from None
     for key in ("rank", "node", "step"):
         if key in kw and kw[key] < 0:
             raise ValueError(f"--inject {text!r}: {key} must be >= 0")
+    if "after" in kw and not (kw["after"] >= 0 and kw["after"] < float("inf")):
+        raise ValueError(f"--inject {text!r}: after must be a number of seconds >= 0")
     if kind == "slow" and kw["factor"] < 1.0:
         raise ValueError(f"--inject {text!r}: factor must be >= 1.0")
     return InjectSpec(id=index, kind=kind, **kw)

@@ -2,8 +2,11 @@
 
 Goodput here is the effective training time ratio (ETTR): the summed duration of
 the steps that count (for each step, rank 0's run of it in the newest generation)
-divided by the job's wall time from start to end. Work redone after a restart and
-all recovery time count against it.
+divided by the job's wall time from start to end, less the pre-flight checks that ran
+before the first generation (reported on their own line: screening nodes is not lost
+training). Work redone after a restart and all recovery time count against it. A script that
+reports no steps (it never calls trainguard's runtime) has no goodput: the report says so, and
+lists what it could not see.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from rich.table import Table
 
 from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.store import open_readonly, read_events, read_kv
+from trainguard.faults.inject import InjectSpec
 from trainguard.observe.console import console, styled
 
 PHASES = RECOVERY_PHASES
@@ -28,6 +32,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     try:
         state = read_kv(db, "state") or {}
         events = read_events(db)
+        cfg = read_kv(db, "config") or {}
         rows = db.execute(
             "SELECT step, duration_s, generation FROM steps s WHERE rank = 0 AND generation = "
             "(SELECT MAX(generation) FROM steps t WHERE t.rank = 0 AND t.step = s.step) ORDER BY step"
@@ -41,11 +46,39 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     )
     wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
     productive = sum(d for _, d, _ in rows)
+    first_gen = next((e["ts"] for e in events if e["kind"] == "generation_started"), None)
+    preflight_s = sum(
+        float(e.get("stage_s", {}).get("total") or 0.0)
+        for e in events
+        if e["kind"] == "preflight_finished" and (first_gen is None or e["ts"] <= first_gen)
+    )
+    fired = set(state.get("fired", []))
+    drills = [
+        {"inject": (spec := InjectSpec.from_json(d)).describe(), "fired": spec.id in fired}
+        for d in cfg.get("injects", [])
+    ]
+    unseen = []
+    if not rows and first_gen is not None:
+        unseen.append(
+            "steps: the script reported none (it does not call trainguard.init or a "
+            "Checkpointer), so there is no step progress, goodput or step-based drill; hangs "
+            "were judged from process state and CPU time only"
+        )
+    for d in drills:
+        if not d["fired"] and ":step=" in d["inject"] and not rows:
+            unseen.append(f"drill {d['inject']} never fired: the script reports no steps "
+                          f"(use after=SECONDS)")  # fmt: skip
     attempts = list(state.get("recoveries", []))
     if state.get("recovery"):
         attempts.append(state["recovery"])
     # Every fault is listed; a recovery is one that reached its first resumed step.
-    recoveries = [r for r in attempts if r.get("t_first_step") is not None]
+    # (Without step reports: one whose new generation ran to the job's successful end.)
+    recoveries = [
+        r
+        for r in attempts
+        if r.get("t_first_step") is not None
+        or (state.get("phase") == "SUCCEEDED" and r.get("to_generation") == state.get("generation"))
+    ]
     faults = [
         {k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
         for r in attempts
@@ -88,7 +121,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "last_step": rows[-1][0] if rows else None,
         "wall_time_s": wall,
         "productive_step_time_s": productive,
-        "goodput": (productive / wall) if wall > 0 else 0.0,
+        "preflight_s": preflight_s,
+        "goodput": (productive / (wall - preflight_s)) if rows and wall > preflight_s else None,
+        "drills": drills,
+        "unseen": unseen,
         "faults": faults,
         "preflight": [
             {
@@ -141,11 +177,17 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         _print_preflight(con, rep)
         return 0
     con.print(f"job: {rep['phase']}  {rep['reason']}")
+    goodput = "unknown (no steps reported)" if rep["goodput"] is None else f"{rep['goodput']:.1%}"
     con.print(
         f"steps completed: {len(rep['steps_completed'])} (last {rep['last_step']}) in {rep['generations']} "
-        f"generation(s); wall time {rep['wall_time_s']:.1f}s; productive step time "
-        f"{rep['productive_step_time_s']:.1f}s; goodput (ETTR) {rep['goodput']:.1%}"
+        f"generation(s); wall time {rep['wall_time_s']:.1f}s (pre-flight {rep['preflight_s']:.1f}s, "
+        f"not counted); productive step time {rep['productive_step_time_s']:.1f}s; "
+        f"goodput (ETTR) {goodput}"
     )
+    for d in rep["drills"]:
+        con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
+    for line in rep["unseen"]:
+        con.print(styled(("not seen: ", "yellow"), line))
     _print_preflight(con, rep)
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
