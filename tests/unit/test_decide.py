@@ -525,3 +525,28 @@ def test_a_plain_job_is_wedged_only_when_every_rank_idles() -> None:
     assert "no rank used CPU for 60s" in f.message
     ran = {"a": node("a", 0, 61.0, runtime=True), "b": node("b", 1, 70.0)}
     assert _detect_fault(s, ran, 100.0, cfg) is None  # the runtime's heartbeats judge it
+
+
+def test_a_planned_stop_persists_the_newest_memory_snapshot_before_the_restart() -> None:
+    """Growth: the workers are stopped (SIGTERM, no handler of their own); every rank's step
+    23 is in its node's memory, step 20 on disk. The nodes' ckptds persist step 23 first and
+    the bigger world restores it: the stop costs no step."""
+    from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool
+    from trainguard.controller.decide import JobState, decide, desired_for
+
+    cfg = JobConfig(script="t.py", run_dir="/tmp/x", nodes=2, min_nodes=1, preflight="off")
+    obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0) for n in ("a", "b")}
+    obs["a"].memory = {0: [(22, 0), (23, 0)]}
+    s = JobState(phase=Phase.RUNNING, generation=0, assignment={"a": 0}, max_step={0: 23},
+                 pools={"a": Pool.RUNNING, "b": Pool.STANDBY}, join_order=["a", "b"],
+                 growing=True, last_world=1)  # fmt: skip
+    s.phase = Phase.CLEANING
+    s, ev = decide(s, obs, 1.0, cfg, [(20, 0)])
+    assert s.phase == Phase.CLEANING and s.persist is not None and s.persist["step"] == 23
+    assert desired_for(s, "a", obs, cfg)["persist"] == {"step": 23, "generation": 0}
+    s, ev = decide(s, obs, 2.0, cfg, [(20, 0)])
+    assert s.phase == Phase.CLEANING  # waits for the commit (bounded by stop_persist_timeout_s)
+    s, ev = decide(s, obs, 3.0, cfg, [(20, 0), (23, 0)])
+    stop = next(d for k, d in ev if k == "planned_stop")
+    assert (stop["saved_step"], stop["steps_lost"]) == (23, 0)
+    assert s.assignment == {"a": 0, "b": 1} and s.restore_step == 23 and s.persist is None

@@ -113,6 +113,7 @@ class Agent:
         self._run_desired: dict[str, Any] = {}
         self.workers: dict[int, wk.Worker] = {}
         self._hang = False
+        self._persisted: tuple[int, int] | None = None  # (step, gen) persisted on a planned stop
         self._drills_fired: set[int] = set()  # timed drills (after=T) fired by this agent
         self._sampled_mono = 0.0  # when the outside view was last read
         self._stopped_generation = -1
@@ -289,6 +290,16 @@ class Agent:
             self._ckptd_client = None
             return
         self._memory = st["memory"]
+        persist = self._desired[1].get("persist")
+        if persist is not None and (persist["step"], persist["generation"]) != self._persisted:
+            try:  # a planned stop: write the newest snapshot held in memory to the durable tier
+                reply = self._ckptd_client.call({"op": "persist", **persist}, timeout_s=5.0)
+                self._persisted = (persist["step"], persist["generation"])
+                log.info(
+                    "persisting step %d from memory (ranks %s)", persist["step"], reply["ranks"]
+                )
+            except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
+                log.warning("asking ckptd to persist step %s failed: %s", persist["step"], e)
         self._replicas = st.get("replicas", {})
         self._replica_addr = st.get("replica_addr")
         want = list(self._desired[1].get("replica_peers", []))

@@ -10,6 +10,8 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
 
 - ``{"op": "alloc", "rank": r, "nbytes": n}`` → ``{"slots": [path0, path1]}`` or ``{"error": …}``
 - ``{"op": "staged", "rank", "slot", "step", "generation", "durable"}`` (the world size is in the slot's header) → ``{"ok": true}``
+- ``{"op": "persist", "step", "generation"}`` → ``{"ranks": [r, …]}``: queue the verified
+  copies of that snapshot held here for the durable tier (a planned stop)
 - ``{"op": "wait_durable", "step", "timeout_s"}`` → ``{"durable": bool}``
 - ``{"op": "verify", "rank", "step", "generation", "for_generation"}`` → ``{"slot": path | None,
   "ok": bool, "problem": str | None}``: re-checksums the rank's slot holding that snapshot, once
@@ -181,6 +183,10 @@ class Ckptd:
                 bool(req["durable"]),
             )
             return {"ok": True}
+        if op == "persist":
+            ranks = self.persister.persist_held(int(req["step"]), int(req["generation"]))
+            self._emit("ckpt_persist_held", step=int(req["step"]), ranks=ranks)
+            return {"ranks": ranks}
         if op == "wait_durable":
             step = int(req["step"])
             durable = self.persister.wait_durable(step, float(req["timeout_s"]))

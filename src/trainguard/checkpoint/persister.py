@@ -335,6 +335,21 @@ class Persister:
         finally:
             s.close()
 
+    def persist_held(self, step: int, generation: int) -> list[int]:
+        """Queue every rank's verified copy of (``step``, ``generation``) held here for the
+        durable tier (a planned stop: the workers are gone, their snapshots are not).
+        Returns the ranks queued; rank 0's node commits once every rank's part is written."""
+        with self._cv:
+            held = [
+                (rank, Path(path))
+                for rank, v in self._verified.items()
+                for path, sg in v.items()
+                if sg == (step, generation)
+            ]
+        for rank, path in held:
+            self.staged(rank, path, step, generation, True)
+        return sorted(rank for rank, _ in held)
+
     def failure(self, step: int) -> str | None:
         """Why ``step`` cannot become durable (its part failed on this node), or None."""
         with self._cv:

@@ -88,6 +88,8 @@ class JobConfig:
     )
     rendezvous_timeout_s: float = 120.0  # from generation start to every rank running
     stop_grace_s: float = 15.0  # SIGTERM → SIGKILL on a user stop (workers may save)
+    # A planned stop then persists the newest snapshot in memory; how long it may take.
+    stop_persist_timeout_s: float = 120.0
     # SIGTERM → SIGKILL when stopping a faulted generation: nothing is left to save, and
     # ranks blocked in a collective cannot act on SIGTERM anyway.
     fault_stop_grace_s: float = 0.1
@@ -155,6 +157,7 @@ class JobConfig:
             "rendezvous_timeout_s",
             "hang_timeout_min_s",
             "hang_timeout_max_s",
+            "stop_persist_timeout_s",
         ):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
         need(

@@ -80,6 +80,11 @@ class JobState:
     last_failure: str = ""
     seen_checkpoint: bool = False  # a trainguard checkpoint existed at some point
     stop_requested: bool = False
+    # A planned stop (growth, eviction, user stop): the newest snapshot every rank holds in
+    # memory is persisted before the next generation or the end; {"step", "generation",
+    # "deadline"} while the nodes' ckptds write it (see _persist_planned_stop).
+    persist: dict[str, Any] | None = None
+    persist_done: int = -1  # the generation whose planned stop was already persisted
     reason: str = ""  # why the job ended (terminal phases)
     max_step: dict[int, int] = dataclasses.field(
         default_factory=dict
@@ -590,7 +595,10 @@ def decide(
                 s.recovery.t_cleaned = max([o.cleaned_at or now for o in acks], default=now)
             _goto(s, Phase.CLEANING, now, events, "every live node stopped its workers")
 
-    if s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
+    planned = s.phase == Phase.CLEANING and (s.growing or s.stop_requested)
+    if planned and not _persist_planned_stop(s, obs, now, cfg, events, durable):
+        pass  # the nodes' ckptds are persisting the newest memory snapshot
+    elif s.phase == Phase.CLEANING and s.growing and not s.stop_requested:
         _planned_restart(s, obs, now, cfg, events, durable)
     elif s.phase == Phase.CLEANING:
         if s.recovery is None or s.stop_requested:  # a stop requested mid-recovery ends the job
@@ -859,6 +867,71 @@ def _can_grow(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) 
     )
 
 
+def _persist_planned_stop(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> bool:
+    """A planned stop saves what memory holds: when every rank's newest common snapshot is
+    newer than the newest durable step, the nodes' ckptds persist it (any script, with or
+    without a SIGTERM handler: SIGTERM's default action kills a worker, its snapshots stay in
+    ckptd's memory). Returns True once done (persisted, nothing to persist, or past
+    ``stop_persist_timeout_s``); records ``planned_stop`` with the steps the stop cost."""
+    gen = s.generation
+    if s.persist_done >= gen:
+        return True
+    last = s.max_step.get(gen)
+    newest_durable = max((st for st, _ in durable), default=None)
+    if s.persist is None:
+        point = _held_by_every_rank(s, obs, cfg) if cfg.memory_tier else None
+        if point is not None and (newest_durable is None or point[0] > newest_durable):
+            s.persist = {"step": point[0], "generation": point[1],
+                         "deadline": now + cfg.stop_persist_timeout_s}  # fmt: skip
+            events.append(("stop_persist_started", {"step": point[0], "last_step": last}))
+            return False
+        saved = newest_durable
+    elif tuple((s.persist["step"], s.persist["generation"])) in {tuple(d) for d in durable}:
+        saved = int(s.persist["step"])
+    elif now < float(s.persist["deadline"]):
+        return False
+    else:
+        events.append(("stop_persist_failed", {"step": s.persist["step"],
+                       "timeout_s": cfg.stop_persist_timeout_s}))  # fmt: skip
+        saved = newest_durable
+    events.append(
+        (
+            "planned_stop",
+            {
+                "generation": gen,
+                "why": "stop requested" if s.stop_requested else "planned restart",
+                "last_step": last,
+                "saved_step": saved,
+                "steps_lost": None if last is None else last - (saved or 0),
+            },
+        )
+    )
+    s.persist, s.persist_done = None, gen
+    return True
+
+
+def _held_by_every_rank(
+    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig
+) -> tuple[int, int] | None:
+    """The newest (step, generation) that every rank of the assignment holds in its own node's
+    memory (what that node's ckptd can persist), or None."""
+    held: list[set[tuple[int, int]]] = []
+    for node, node_rank in s.assignment.items():
+        mem = obs[node].memory if node in obs else {}
+        for i in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + i
+            held.append({(int(p[0]), int(p[1])) for p in mem.get(rank, [])})
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
+
+
 def _planned_restart(
     s: JobState,
     obs: dict[str, NodeObs],
@@ -981,7 +1054,10 @@ def desired_for(
         faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
         grace = cfg.fault_stop_grace_s if faulted else cfg.stop_grace_s
         hang = faulted and s.recovery is not None and s.recovery.fault.cause == "hang"
-        return {"action": "stop", "generation": s.generation, "grace_s": grace, "dump_stacks": hang}
+        out = {"action": "stop", "generation": s.generation, "grace_s": grace, "dump_stacks": hang}
+        if s.persist is not None:  # persist this snapshot from memory (a planned stop)
+            out["persist"] = {"step": s.persist["step"], "generation": s.persist["generation"]}
+        return out
     if s.phase not in _ACTIVE_GEN:
         return idle
     master = next(n for n, r in s.assignment.items() if r == 0)

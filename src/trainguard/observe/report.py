@@ -142,6 +142,11 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             n: why.get(n, "") for n, p in sorted(pools.items()) if p in ("faulty", "retired")
         },
         "hangs": hangs,
+        "planned_stops": [
+            {k: e.get(k) for k in ("generation", "why", "last_step", "saved_step", "steps_lost")}
+            for e in events
+            if e["kind"] == "planned_stop"
+        ],
         "alerts": alerts,
         "recoveries": [
             {
@@ -184,6 +189,11 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         f"not counted); productive step time {rep['productive_step_time_s']:.1f}s; "
         f"goodput (ETTR) {goodput}"
     )
+    for p in rep["planned_stops"]:
+        con.print(
+            f"planned stop of generation {p['generation']} ({p['why']}): last step "
+            f"{p['last_step']}, saved step {p['saved_step']}, steps lost {p['steps_lost']}"
+        )
     for d in rep["drills"]:
         con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
     for line in rep["unseen"]:
