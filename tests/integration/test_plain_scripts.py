@@ -123,3 +123,24 @@ def test_a_sigstopped_rank_of_a_plain_script_is_a_hang_found_from_outside(
     ]
     assert _resumed_from(tmp_path / "run")[0] > 0
     assert _same_weights(torch.load(tmp_path / "snapshot.pt")["MODEL_STATE"], under_torchrun[1])
+
+
+@pytest.mark.parametrize("runtime", [False, True])
+def test_a_rank_stuck_at_exit_after_its_peers_finished_is_stopped(
+    tmp_path: Path, runtime: bool
+) -> None:
+    """Rank 0 finished its steps, then blocks with no CPU; rank 1 exited 0. After
+    ``exit_grace_s`` it is stopped and the job ends SUCCEEDED (its steps were all done), once:
+    no hang verdict, no restart."""
+    script = ROOT / "tests" / "helpers" / "userscripts" / "stuck_at_exit.py"
+    (tmp_path / "job.toml").write_text(FAST_CONFIG + "exit_grace_s = 4.0\n")
+    cmd = trainguard_cmd("run", "--run-dir", tmp_path / "run", "--config", tmp_path / "job.toml")
+    cmd += ["--nproc-per-node", "2", str(script), "30", *(["--runtime"] if runtime else [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    evs = events(tmp_path / "run")
+    stuck = [e for e in evs if e["kind"] == "exit_stuck"]
+    assert [e["rank"] for e in stuck] == [0] and stuck[0]["idle_s"] >= 4.0, stuck
+    assert not [e for e in evs if e["kind"] in ("fault", "hang_suspected")]
+    assert len([e for e in evs if e["kind"] == "generation_started"]) == 1
+    assert "rank 0 done" in (tmp_path / "run" / "logs" / "rank0.gen0.log").read_text()

@@ -88,6 +88,9 @@ class JobConfig:
     )
     rendezvous_timeout_s: float = 120.0  # from generation start to every rank running
     stop_grace_s: float = 15.0  # SIGTERM → SIGKILL on a user stop (workers may save)
+    # A rank still running after every peer exited 0, whose processes used no CPU for this
+    # long, is stuck at exit (e.g. a process-group destructor waiting on a thread): stopped.
+    exit_grace_s: float = 30.0
     # A planned stop then persists the newest snapshot in memory; how long it may take.
     stop_persist_timeout_s: float = 120.0
     # SIGTERM → SIGKILL when stopping a faulted generation: nothing is left to save, and
@@ -158,6 +161,7 @@ class JobConfig:
             "hang_timeout_min_s",
             "hang_timeout_max_s",
             "stop_persist_timeout_s",
+            "exit_grace_s",
         ):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
         need(

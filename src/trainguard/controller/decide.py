@@ -325,6 +325,38 @@ def _node_fault(s: JobState, cause: str, node: str, t_fault: float, now: float, 
     )
 
 
+def _idle_s(w: WorkerObs) -> float:
+    """Seconds ``w`` has done nothing: with the runtime, since its last step or a heartbeat
+    that showed its main thread working (its reporter thread's own CPU is not work); without,
+    since its process tree last used CPU."""
+    idle = w.progress_age_s if w.runtime else w.cpu_idle_s
+    return 0.0 if idle is None else idle
+
+
+def _stuck_at_exit(
+    w: WorkerObs, workers: list[WorkerObs], cfg: JobConfig, events: list[Event], gen: int
+) -> bool:
+    """``w`` is still running, every peer exited 0, and its processes used no CPU for
+    ``exit_grace_s``: its work is over and its exit is stuck (a destructor blocked on a
+    thread). It counts as finished (the end-of-job stop kills it); whether the job finished
+    is then judged by its steps as for any rank. An epilogue that computes is never this."""
+    if w.state != "running" or _idle_s(w) < cfg.exit_grace_s:
+        return False
+    peers = [x for x in workers if x is not w]
+    done = [x for x in peers if x.state == "succeeded"]
+    stuck = [x for x in peers if x.state == "running" and _idle_s(x) >= cfg.exit_grace_s]
+    if not done or len(done) + len(stuck) < len(peers):
+        return False
+    events.append(
+        (
+            "exit_stuck",
+            {"generation": gen, "rank": w.rank, "step": w.step, "idle_s": round(_idle_s(w), 1),
+             "action": "stopped with the job's end: every peer had exited 0"},
+        )
+    )  # fmt: skip
+    return True
+
+
 def _wedged_without_runtime(
     s: JobState, obs: dict[str, NodeObs], cfg: JobConfig, gen: int
 ) -> tuple[str, WorkerObs, float] | None:
@@ -399,6 +431,10 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
     hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
+    live = [w for n in s.assignment if n in obs for w in obs[n].workers.values()
+            if obs[n].generation == gen and w.state == "running"]  # fmt: skip
+    if hung and len(live) < world_of(s, cfg) and not failed:
+        hung = []  # the others exited 0: the last ranks are finishing; exit_grace_s bounds it
     if hung:
         workers = [
             (n, w)
@@ -536,7 +572,9 @@ def decide(
             events.append(("fault", fault.to_json()))
             _goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
             _goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
-        elif len(workers) == world_of(s, cfg) and all(w.state == "succeeded" for w in workers):
+        elif len(workers) == world_of(s, cfg) and all(
+            w.state == "succeeded" or _stuck_at_exit(w, workers, cfg, events, gen) for w in workers
+        ):
             done = s.restore_step or 0  # a generation that restored the last step runs none
             short = [
                 w
