@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import (
@@ -271,3 +272,58 @@ def test_ten_runs_on_a_clean_pool_flag_no_node(tmp_path: Path) -> None:
         totals.append(result["stage_s"]["total"])
     print(f"quick pre-flight, 4 simulated nodes, 10 clean runs: {sorted(totals)} s")
     assert max(totals) < 60, totals
+
+
+@pytest.mark.slow
+def test_a_check_stalled_by_load_is_inconclusive_retried_and_the_job_runs(tmp_path: Path) -> None:
+    """Issue 12 case 6: node1's check process is SIGSTOPped (as a loaded 2-core machine
+    starves it) past the node stage's deadline. Its verdict is inconclusive, not a failure:
+    the node is checked again after the back-off, passes, and the job trains on both nodes."""
+    run_dir = tmp_path / "run"
+    config = (
+        PREFLIGHT_CONFIG + "[checks]\nnode_stage_timeout_s = 25.0\ninconclusive_backoff_s = 1.0\n"
+    )
+    job = start_job(run_dir, ["--nodes", "2"], [*TINY, "--steps", "10"], config=config)
+    stopped: list[psutil.Process] = []
+
+    def check_of_node1() -> list[psutil.Process]:
+        return [
+            p for p in psutil.process_iter()
+            if "trainguard.health.node" in " ".join(_cmdline(p)) and "node1.1-node" in " ".join(_cmdline(p))
+        ]  # fmt: skip
+
+    try:
+        for p in wait_for(check_of_node1, 120, "node1's first check process"):
+            p.suspend()  # SIGSTOP: a real stopped process, not a mock
+            stopped.append(p)
+        wait_for(
+            lambda: any(e["kind"] == "preflight_inconclusive" for e in read_events(run_dir)),
+            120,
+            "the inconclusive verdict",
+        )
+        out, err = job.communicate(timeout=300)
+    finally:
+        for p in stopped:
+            with contextlib.suppress(psutil.Error):
+                p.resume()
+        if job.poll() is None:
+            job.kill()
+            job.communicate(timeout=30)
+    assert job.returncode == 0, err[-3000:]
+    evs = read_events(run_dir)
+    unsure = [e for e in evs if e["kind"] == "preflight_inconclusive"]
+    assert [(e["node"], e["attempt"]) for e in unsure] == [("node1", 1)], unsure
+    assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
+    started = [e for e in evs if e["kind"] == "generation_started"]
+    assert started[0]["assignment"] == {"node0": 0, "node1": 1}, started
+    rep = report(run_dir)
+    assert (
+        list(rep["preflight"][0]["inconclusive"]) == ["node1"] and not rep["preflight"][0]["failed"]
+    )
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []

@@ -8,7 +8,13 @@ from typing import Any
 
 from trainguard.controller.api import JobConfig, NodeObs, Pool
 from trainguard.controller.decide import JobState, decide, needs_recheck
-from trainguard.health.judge import CheckConfig, judge_net_stage, judge_node_stage, schedule
+from trainguard.health.judge import (
+    CheckConfig,
+    inconclusive,
+    judge_net_stage,
+    judge_node_stage,
+    schedule,
+)
 
 CFG = CheckConfig()
 
@@ -186,3 +192,23 @@ def test_a_job_whose_nodes_all_fail_preflight_fails_with_their_reasons() -> None
     assert s.reason.startswith(
         "only 0 of the 2 nodes needed passed pre-flight in 30s; failed: a: GEMM"
     )
+
+
+def test_errors_of_the_checks_own_machinery_are_inconclusive_not_failures() -> None:
+    """Issue 12 case 6: store time-outs and gloo set-up errors under load say nothing about
+    the node; a run that condemns most of the pool is more likely broken than the pool; a
+    wrong GEMM answer or a full disk is a measurement whatever the others show."""
+    got = inconclusive({
+        "a": ["collective and training checks failed: DistStoreError: wait timeout after 30000ms"],
+        "b": ["collectives slow with 2 partners (a, c): failed (Gloo connectFullMesh failed)"],
+        "c": ["node checks did not finish within 120 s"],
+        "d": [],
+    })  # fmt: skip
+    assert sorted(got) == ["a", "b", "c"]
+    measured = {"a": ["GEMM slow: 3.0 GFLOP/s < 0.5 × pool median 9.0"], "b": [], "c": [], "d": []}
+    assert inconclusive(measured) == {}  # one slow node: a measurement
+    most = {"a": ["GEMM slow: 1 < 0.5 × 9"], "b": ["latency 9000 µs vs pool 100 µs"],
+            "c": ["GEMM wrong: 1 element(s) of C = A·B differ"], "d": []}  # fmt: skip
+    assert sorted(inconclusive(most)) == ["a", "b"]  # c's wrong answer stands
+    lost = {"a": ["collective and training checks failed: node lost: its agent stopped reporting"]}
+    assert inconclusive({**lost, "b": [], "c": []}) == {}

@@ -109,7 +109,8 @@ def print_result(run: dict[str, Any], lists: dict[str, list[str]], console: Cons
         row = run["table"].get(n, {})
         v = run["verdicts"].get(n, {"ok": False})
         t.add_row(
-            n, "pass" if v["ok"] else styled(("FAIL", "red")), _num(row.get("load_per_core"), ".2f"),
+            n, "pass" if v["ok"] else styled(("INCONCLUSIVE", "yellow")) if v.get("inconclusive")
+            else styled(("FAIL", "red")), _num(row.get("load_per_core"), ".2f"),
             _gib(row.get("memory_available")), _gib(row.get("disk_free")), _gib(row.get("shm_free")),
             str(row.get("leftovers", "-")), _num(row.get("clock_skew_s"), "+.3f"),
             _num(row.get("gemm_gflops"), ".1f"), _num(row.get("allreduce_busbw_gbps"), ".3f"),
@@ -132,8 +133,10 @@ def print_result(run: dict[str, Any], lists: dict[str, list[str]], console: Cons
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in run.get("stage_s", {}).items())
     console.print(f"stage times: {stages}")
     for n in run["nodes"]:
-        for p in run["verdicts"].get(n, {}).get("problems", []):
-            console.print(styled((n, "red"), f": {p}"))
+        v = run["verdicts"].get(n, {})
+        for p in v.get("problems", []):
+            how = " (inconclusive: the check itself failed, not a measurement)"
+            console.print(styled((n, "red"), f": {p}" + (how if v.get("inconclusive") else "")))
 
 
 async def _local(

@@ -33,6 +33,7 @@ from trainguard.controller.decide import JobState
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
+from trainguard.health.judge import CheckConfig
 
 log = logging.getLogger("trainguard.run")
 AGENT_EXIT_DEADLINE_S = 30.0
@@ -159,6 +160,13 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         raise ValueError(
             f"--config {args.config}: a field has the wrong type ({e}); see JobConfig in "
             "src/trainguard/controller/api.py for each field's type"
+        ) from None
+    try:
+        CheckConfig(**{"level": "quick", **cfg.checks})
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"--config {args.config}: [checks] {e}; its fields are CheckConfig's "
+            "(src/trainguard/health/judge.py)"
         ) from None
     _check_writable(run_dir)
     return cfg

@@ -113,6 +113,9 @@ class JobConfig:
     # Pre-flight checks (health/): a node joins the pool, and a quarantined node returns to
     # standby, only after it passes them. "quick" (about 30 s for 4 nodes here), "full", "off".
     preflight: str = "quick"
+    # Settings of the job's pre-flight runs (CheckConfig fields, a ``[checks]`` table in the
+    # config file): deadlines, thresholds, the back-off of inconclusive runs.
+    checks: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Straggler detection (controller/analysis.py): windows of this many steps; an alert after
     # this many flagged windows in a row. "alert" only, or "replace": quarantine the
     # straggler's node and replace it with a standby at the next checkpoint boundary.

@@ -34,7 +34,7 @@ from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.store import Store
-from trainguard.health.coordinator import Preflight
+from trainguard.health.coordinator import Preflight, Verdict
 from trainguard.health.judge import CheckConfig
 
 log = logging.getLogger("trainguard.controller")
@@ -43,6 +43,7 @@ MAX_WAIT_S = 30.0
 # New nodes are checked together: a run starts when the expected count has reported, or when
 # no new node has appeared for this long.
 SETTLE_S = 1.5
+PREFLIGHT_RETRIES = 4  # inconclusive pre-flight runs of a node in a row before quarantine
 
 
 def state_json(s: JobState) -> dict[str, Any]:
@@ -107,6 +108,8 @@ class Controller:
         self._first_step_gen: set[int] = set()
         self._last_state = ""
         self._first_seen: dict[str, float] = {}
+        # node → (run, retry at, attempts) of its inconclusive pre-flight verdicts
+        self._unsure: dict[str, tuple[int, float, int]] = {}
         self._closing = False
         self.monitor = Monitor(
             DetectConfig(
@@ -123,7 +126,7 @@ class Controller:
                 if spec.kind == "gemm-wrong":
                     injects.setdefault(f"node{spec.node}", []).append(spec.kind)
             self.preflight = Preflight(
-                check_cfg or CheckConfig(level=level), store, ckpt_dir=cfg.ckpt_dir,
+                check_cfg or CheckConfig(**{"level": level, **cfg.checks}), store, ckpt_dir=cfg.ckpt_dir,
                 shm_dir=cfg.shm_dir, injects=injects,
             )  # fmt: skip
         if check_only:
@@ -521,7 +524,10 @@ class Controller:
         pf.tick(now, {n for n in self.obs if self._alive(n, now)})
         for n, o in self.obs.items():
             v = pf.verdicts.get(n)
-            if v is not None:
+            if v is not None and v.inconclusive:
+                self._retry_inconclusive(n, v, now)
+            elif v is not None:
+                self._unsure.pop(n, None)
                 o.checked_at, o.check_problems = v.at, v.problems
         if pf.active is not None or self.check_only or self.state.phase.terminal:
             return
@@ -535,6 +541,34 @@ class Controller:
                 pf.start(new + recheck, "new node(s) joining the pool", now)
         elif recheck:
             pf.start(recheck, "re-check before readmission", now)
+
+    def _retry_inconclusive(self, node: str, v: Verdict, now: float) -> None:
+        """An inconclusive verdict (the check's machinery failed): check the node again after
+        a back-off (``inconclusive_backoff_s``, doubling: 5, 10, 20, 40 s). After
+        PREFLIGHT_RETRIES of them in a row it joins quarantine with that reason (re-checked
+        later like any quarantined node). Called every tick (observations are rebuilt from
+        each report)."""
+        pf, o = self.preflight, self.obs[node]
+        assert pf is not None
+        seen = self._unsure.get(node)
+        if seen is None or seen[0] != v.run:  # a new inconclusive verdict
+            attempt = (seen[2] if seen is not None else 0) + 1
+            delay = min(60.0, pf.cfg.inconclusive_backoff_s * 2 ** (attempt - 1))
+            seen = self._unsure[node] = (v.run, now + delay, attempt)
+            if attempt <= PREFLIGHT_RETRIES:
+                self.store.record(
+                    "preflight_inconclusive",
+                    {"node": node, "run": v.run, "attempt": attempt, "retry_in_s": delay,
+                     "problems": list(v.problems)},
+                )  # fmt: skip
+        if seen[2] > PREFLIGHT_RETRIES:
+            o.checked_at = v.at
+            o.check_problems = (
+                f"pre-flight inconclusive {PREFLIGHT_RETRIES + 1} times in a row (the check "
+                f"itself failed, not a measurement): {v.problems[0]}",
+            )
+        elif now >= seen[1]:
+            pf.verdicts.pop(node, None)  # unchecked again: the next run takes it
 
     def _check_only_tick(self, now: float) -> None:
         pf, s = self.preflight, self.state
@@ -556,12 +590,15 @@ class Controller:
             for n in run.nodes:
                 bad = run.problems.get(n)
                 s.pools[n] = Pool.FAULTY if bad else Pool.STANDBY
-                why = "failed pre-flight: " + "; ".join(bad) if bad else "passed pre-flight"
+                how = "inconclusive (the check itself failed)" if n in run.unsure else "failed"
+                why = f"{how} pre-flight: " + "; ".join(bad) if bad else "passed pre-flight"
                 self.store.record(
                     "pool_changed", {"node": n, "from": None, "to": s.pools[n].value, "reason": why}
                 )
             passed = sum(1 for n in run.nodes if not run.problems.get(n))
             s.phase, s.reason = Phase.SUCCEEDED, f"{passed} of {len(run.nodes)} nodes passed"
+            if run.unsure:
+                s.reason += f", {len(run.unsure)} inconclusive (run the check again)"
         self._persist_and_publish()
 
     def _all_back(self) -> bool:

@@ -36,6 +36,9 @@ class Verdict:
     problems: tuple[str, ...]
     at: float  # wall clock when the run finished
     run: int
+    # Not a measured failure: the check's own machinery failed (judge.inconclusive). The
+    # node is checked again (with back-off), never quarantined on it.
+    inconclusive: bool = False
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -57,6 +60,7 @@ class CheckRun:
     table: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     stage_s: dict[str, float] = dataclasses.field(default_factory=dict)
     finished: float | None = None
+    unsure: set[str] = dataclasses.field(default_factory=set)  # inconclusive verdicts
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,7 +77,10 @@ class CheckRun:
             "started": self.started,
             "finished": self.finished,
             "stage_s": self.stage_s,
-            "verdicts": {n: {"ok": not p, "problems": p} for n, p in self.problems.items()},
+            "verdicts": {
+                n: {"ok": not p, "problems": p, "inconclusive": n in self.unsure}
+                for n, p in self.problems.items()
+            },
             "table": self.table,
         }
 
@@ -264,6 +271,7 @@ class Preflight:
         run = self.active
         if run is not None:
             run.problems = {n: [why] for n in run.nodes}
+            run.unsure = set(run.nodes)  # nothing about the nodes was measured
             self._finish(run, now)
 
     def _update_reference(self, pool: dict[str, Any]) -> None:
@@ -276,9 +284,12 @@ class Preflight:
         run.stage, run.finished, self.active = "done", now, None
         self._tasks.clear()
         run.stage_s["total"] = round(now - run.started, 3)
+        run.unsure |= set(judge.inconclusive({n: run.problems.get(n, []) for n in run.nodes}))
         for n in run.nodes:
             p = run.problems.get(n, [])
-            self.verdicts[n] = Verdict(ok=not p, problems=tuple(p), at=now, run=run.id)
+            self.verdicts[n] = Verdict(
+                ok=not p, problems=tuple(p), at=now, run=run.id, inconclusive=n in run.unsure
+            )
         out = run.to_json()
         self.store.record("preflight_finished", out)
         self.store.put("preflight_last", out)
@@ -288,7 +299,10 @@ class Preflight:
             run.id,
             now - run.started,
             len(run.nodes) - len(bad),
-            "".join(f"; {n} failed: {'; '.join(p)}" for n, p in sorted(bad.items())),
+            "".join(
+                f"; {n} {'inconclusive' if n in run.unsure else 'failed'}: {'; '.join(p)}"
+                for n, p in sorted(bad.items())
+            ),
         )
         return run
 

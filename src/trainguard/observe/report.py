@@ -133,7 +133,14 @@ def build_report(run_dir: Path) -> dict[str, Any]:
                 "reason": e["reason"],
                 "nodes": e["nodes"],
                 "seconds": e.get("stage_s", {}).get("total"),
-                "failed": {n: v["problems"] for n, v in e["verdicts"].items() if not v["ok"]},
+                "failed": {
+                    n: v["problems"]
+                    for n, v in e["verdicts"].items()
+                    if not v["ok"] and not v.get("inconclusive")
+                },
+                "inconclusive": {
+                    n: v["problems"] for n, v in e["verdicts"].items() if v.get("inconclusive")
+                },
             }
             for e in events
             if e["kind"] == "preflight_finished"
@@ -252,12 +259,13 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
 def _print_preflight(con: Console, rep: dict[str, Any]) -> None:
     if rep["preflight"]:
         pre = Table(title=f"pre-flight runs: {len(rep['preflight'])}")
-        for col in ("run", "level", "why", "nodes", "failed", "seconds"):
+        for col in ("run", "level", "why", "nodes", "failed", "inconclusive", "seconds"):
             pre.add_column(col)
         for r in rep["preflight"]:
             pre.add_row(
                 str(r["run"]), r["level"], r["reason"], ", ".join(r["nodes"]),
-                ", ".join(r["failed"]) or "—", _fmt(r["seconds"]),
+                ", ".join(r["failed"]) or "—", ", ".join(r.get("inconclusive", {})) or "—",
+                _fmt(r["seconds"]),
             )  # fmt: skip
         con.print(pre)
     for node, reason in rep["left_out"].items():
