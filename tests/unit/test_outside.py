@@ -73,6 +73,10 @@ def test_timed_drills_come_due_after_their_seconds(worker: Worker) -> None:
     specs = [parse_inject("kill:rank=0:after=0.2", 0).to_json(),
              parse_inject("node-down:node=1:after=0", 1).to_json()]  # fmt: skip
     now = worker.started_mono
+    assert outside.due_drills(specs, set(), {0: worker}, 0, now + 9) == []  # script not begun
+    worker.log_path.write_text("")  # the spare opened the rank's log: its script runs
+    outside.sample(worker, now)
+    assert worker.script_started_mono == now
     assert outside.due_drills(specs, set(), {0: worker}, 0, now) == []
     due = outside.due_drills(specs, set(), {0: worker}, 0, now + 0.3)
     assert [s.id for s, _ in due] == [0]  # node 1's drill is not this node's

@@ -431,7 +431,9 @@ class Agent:
         for local_rank in range(nproc):
             env = self._worker_env(d, local_rank)
             rank = int(env["RANK"])
-            log_path = self.cfg.run_dir / "logs" / f"rank{rank}.gen{gen}.log"
+            log_path = (
+                Path(d.get("log_dir") or self.cfg.run_dir / "logs") / f"rank{rank}.gen{gen}.log"
+            )
             error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
             proc = self.spares.take()
             wk.launch(
@@ -439,6 +441,7 @@ class Agent:
                 {
                     "env": env,
                     "argv": [d["script"], *d["script_args"]],
+                    "mode": d.get("launch", "script"),
                     "cwd": os.getcwd(),
                     "log": str(log_path),
                     "error_file": str(error_file),
@@ -560,7 +563,7 @@ class Agent:
                 rank=w.rank,
                 inject=spec.to_json(),
                 step=w.step,
-                after_s=round(now - w.started_mono, 3),
+                after_s=round(now - (w.script_started_mono or w.started_mono), 3),
             )
             log.warning("drill %s fired on rank %d", spec.describe(), w.rank)
             outside.fire(spec, w, self._power_off)

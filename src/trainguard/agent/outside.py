@@ -12,7 +12,8 @@ and the CPU time of its process tree (the worker and its data-loader children). 
 
 It also fires the drills that need no runtime (``--inject KIND:…:after=SECONDS``): SIGKILL
 of the rank's worker, SIGSTOP of its process group, or power loss of the node, T seconds
-after the worker started.
+after the rank's script started (its spare opened the rank's log: a spare started for the
+first generation may still be importing torch when it is handed its rank).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def tree_cpu_s(proc: psutil.Process) -> float:
 
 def sample(w: Worker, now_mono: float) -> None:
     """Read ``w``'s process state and tree CPU time; update its outside-view fields."""
+    if w.script_started_mono is None and w.log_path.exists():
+        w.script_started_mono = now_mono  # a warm spare may still be importing before this
     try:
         proc = psutil.Process(w.proc.pid)
         status = proc.status()
@@ -98,7 +101,7 @@ def due_drills(
             w = workers.get(spec.rank if spec.rank is not None else -1)
             if w is None or w.state != "running":
                 continue
-        if now_mono - w.started_mono >= spec.after:
+        if w.script_started_mono is not None and now_mono - w.script_started_mono >= spec.after:
             due.append((spec, w))
     return due
 

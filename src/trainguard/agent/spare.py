@@ -11,7 +11,9 @@ and pools; ``sys.argv`` and ``sys.path[0]`` as Python sets them. What torch read
 environment at import (its intra-op thread count, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``)
 is re-read from the worker's environment, and again when the script itself imports torch
 (a script may set ``OMP_NUM_THREADS`` just before ``import torch``). An uncaught exception is
-written to the error file in torchelastic's format.
+written to the error file in torchelastic's format. ``mode`` "module" runs ``python -m
+MODULE`` (``runpy``, ``sys.path[0]`` the working directory); "exec" (``--no-python``) replaces
+the spare with the program by ``execvp``, keeping its pid and process group.
 
 The spare dies with its agent (PR_SET_PDEATHSIG = SIGKILL), as workers die with a
 powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
@@ -27,6 +29,7 @@ import importlib
 import importlib.machinery
 import json
 import os
+import runpy
 import signal
 import sys
 import threading
@@ -96,14 +99,21 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])
+    mode = spec.get("mode", "script")  # script | module (python -m) | exec (--no-python)
+    if mode == "exec":
+        _exec(spec["argv"], spec["error_file"])
     script = spec["argv"][0]
     sys.argv = list(spec["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    # python SCRIPT puts the script's directory first on sys.path; python -m, the cwd.
+    sys.path[0] = os.getcwd() if mode == "module" else os.path.dirname(os.path.abspath(script))
     _apply_thread_env()
     _reapply_thread_env_on_torch_import()
     code: int | str | None = 0
     try:
-        _run_as_main(script)
+        if mode == "module":
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            _run_as_main(script)
     except SystemExit as e:
         code = e.code
     except BaseException as exc:
@@ -111,6 +121,17 @@ def main() -> None:
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def _exec(argv: list[str], error_file: str) -> None:
+    """``--no-python``: become the worker program itself (same pid, process group, output,
+    environment and directory the agent set up); never returns."""
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        write_error_file(error_file, e)
+        print(f"trainguard: cannot execute {argv[0]!r}: {e}", file=sys.stderr, flush=True)
+        os._exit(127)
 
 
 def _run_as_main(script: str) -> None:

@@ -56,6 +56,7 @@ class Worker:
     total_steps: int | None = None  # the step the script said it ends at
     # The outside view (agent/outside.py): process state and its tree's CPU time.
     proc_state: str | None = None  # psutil status; "stopped" for SIGSTOP / ptrace stop
+    script_started_mono: float | None = None  # its spare opened the rank's log: the script runs
     stopped_since_mono: float | None = None
     tree_cpu_s: float | None = None
     cpu_checked_mono: float | None = None

@@ -16,6 +16,65 @@ from pathlib import Path
 from trainguard import __version__
 
 
+class _Refuse(argparse.Action):
+    """A torchrun flag this command does not take: exit 2 with why and what to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str = "", **kw: object) -> None:
+        self.why = why
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> None:
+        parser.error(f"{'/'.join(self.option_strings[:1])}: {self.why}")
+
+
+_HOSTS = (
+    "trainguard run starts every node on this machine; across hosts run `trainguard controller "
+    "--rdzv-endpoint HOST:PORT SCRIPT` once and `trainguard agent --controller HOST:PORT` on "
+    "each host (README, Several hosts)"
+)
+
+
+def torchrun_flags(p: argparse.ArgumentParser, *, multi_host: bool) -> None:
+    """torchrun's launch flags where they mean something here (``-m``, ``--no-python``, the
+    console and log flags, ``--standalone``), and a one-line explanation for the others."""
+    p.add_argument("-m", "--module", action="store_true",
+                   help="SCRIPT is a module, run as python -m (torchrun -m)")  # fmt: skip
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="SCRIPT is a program run as it is, not a Python file")  # fmt: skip
+    p.add_argument("--standalone", action="store_true",
+                   help="accepted for torchrun scripts: trainguard run is always standalone")  # fmt: skip
+    p.add_argument("--log-dir", "--log_dir", type=Path, default=None,
+                   help="where the workers' logs go (default RUN_DIR/logs)")  # fmt: skip
+    if multi_host:
+        return _refuse(p, multi_host)
+    p.add_argument("--tee", "-t", default=None, metavar="0-3",
+                   help="show every rank's output on the console, prefixed [rankN]: "
+                        "(torchrun's stream codes; both streams go to one log here)")  # fmt: skip
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None, metavar="LIST",
+                   help="ranks whose output the console shows, e.g. 0,3 or none (default 0)")  # fmt: skip
+    _refuse(p, multi_host)
+
+
+def _refuse(p: argparse.ArgumentParser, multi_host: bool) -> None:
+    refused = {
+        ("--rdzv-backend", "--rdzv_backend"): "the controller is the rendezvous: none to choose",
+        ("--rdzv-id", "--rdzv_id"): "a job is named by its --run-dir",
+        ("--rdzv-conf", "--rdzv_conf"): "set JobConfig fields in --config FILE instead",
+        ("--master-addr", "--master_addr"): "the controller picks rank 0's store each generation",
+        ("--master-port", "--master_port"): "the controller picks rank 0's store each generation",
+        ("--node-rank", "--node_rank"): "node ranks are assigned by the controller (pools)",
+        ("--start-method", "--start_method"): "workers start from warm spares (python SCRIPT)",
+        ("--monitor-interval", "--monitor_interval"): "set heartbeat_s in --config FILE",
+        ("--redirects", "-r"): "every rank's output goes to its log; --tee shows it",
+        ("--role",): "one role per job",
+    }
+    if not multi_host:
+        refused[("--rdzv-endpoint", "--rdzv_endpoint")] = _HOSTS
+        refused[("--local-addr", "--local_addr")] = _HOSTS
+    for names, why in refused.items():
+        p.add_argument(*names, action=_Refuse, why=why)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainguard", description="Keep PyTorch training jobs running through faults."
@@ -26,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a training job on this machine with simulated nodes")
     r.add_argument(
         "--nodes",
+        "--nnodes",
         default=None,
         metavar="N|MIN:MAX",
         help="nodes the job runs on (default 1); MIN:MAX = elastic",
@@ -36,15 +96,31 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="standby nodes kept to replace lost ones (default 0)",
     )
-    r.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default 1)")
     r.add_argument(
-        "--run-dir", type=Path, default=None, help="run directory (default runs/<timestamp>)"
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default=None,
+        metavar="N|auto",
+        help="workers per node (default 1); auto = one per GPU, else per CPU core",
     )
     r.add_argument(
-        "--max-restarts", type=int, default=None, help="restarts before the job fails (default 3)"
+        "--run-dir",
+        "--run_dir",
+        type=Path,
+        default=None,
+        help="run directory (default runs/<timestamp>)",
     )
+    r.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=None,
+        help="restarts before the job fails (default 3)",
+    )
+    torchrun_flags(r, multi_host=False)
     r.add_argument(
         "--hang-timeout",
+        "--hang_timeout",
         type=float,
         default=None,
         metavar="SECONDS",
@@ -66,18 +142,28 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("controller", help="run a job's controller for agents on other hosts")
     k.add_argument(
         "--nodes",
+        "--nnodes",
         default=None,
         metavar="N|MIN:MAX",
         help="nodes the job runs on (default 1); MIN:MAX = elastic",
     )
     k.add_argument("--standby", type=int, default=None, help="standby nodes (default 0)")
-    k.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default 1)")
+    k.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default=None,
+        metavar="N|auto",
+        help="workers per node (default 1)",
+    )
     k.add_argument(
         "--bind",
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
         default="127.0.0.1:0",
         metavar="HOST:PORT",
-        help="listen here (default 127.0.0.1:0)",
+        help="listen here (default 127.0.0.1:0); agents join with --controller HOST:PORT",
     )
+    torchrun_flags(k, multi_host=True)
     k.add_argument("--run-dir", type=Path, default=None, help="run directory (shared storage)")
     k.add_argument(
         "--token-file",
@@ -85,8 +171,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="job token (default RUN_DIR/token, made if missing)",
     )
-    k.add_argument("--max-restarts", type=int, default=None)
-    k.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS")
+    k.add_argument("--max-restarts", "--max_restarts", type=int, default=None)
+    k.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None, metavar="SECONDS")
     k.add_argument("--inject", action="append", default=[], metavar="SPEC")
     k.add_argument("--config", type=Path, default=None, help="TOML file with JobConfig fields")
     k.add_argument("script", help="training script (Python), the same path on every host")

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig
+from trainguard.observe.tee import Tee, parse_ranks
 
 log = logging.getLogger("trainguard.run")
 AGENT_EXIT_DEADLINE_S = 30.0
@@ -128,11 +130,7 @@ def _toml_type(value: Any) -> str:
 
 def build_config(args: argparse.Namespace) -> JobConfig:
     """Validate flags and the config file into a JobConfig. Raises ValueError naming the fix."""
-    script = Path(args.script)
-    if not script.is_file():
-        raise ValueError(
-            f"script {args.script!r} not found; pass the path of a Python training script"
-        )
+    launch, target = _launch_target(args)
     run_dir = args.run_dir or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     extra = load_fields(
         args.config, JobConfig, skip={"script", "script_args", "run_dir", "injects"}
@@ -142,7 +140,8 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         "nodes": nodes,
         "min_nodes": min_nodes,
         "standby": args.standby,
-        "nproc_per_node": args.nproc_per_node,
+        "nproc_per_node": parse_nproc(args.nproc_per_node),
+        "log_dir": str(args.log_dir.resolve()) if args.log_dir else None,
         "max_restarts": args.max_restarts,
         "hang_timeout_s": args.hang_timeout,
     }
@@ -150,7 +149,8 @@ def build_config(args: argparse.Namespace) -> JobConfig:
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
     try:
         cfg = JobConfig(
-            script=str(script.resolve()),
+            script=target,
+            launch=launch,
             script_args=tuple(args.script_args),
             run_dir=str(run_dir.resolve()),
             injects=injects,
@@ -169,7 +169,60 @@ def build_config(args: argparse.Namespace) -> JobConfig:
             "(src/trainguard/health/judge.py)"
         ) from None
     _check_writable(run_dir)
+    if cfg.log_dir is not None:
+        _check_writable(Path(cfg.log_dir))
     return cfg
+
+
+def parse_nproc(text: str | None) -> int | None:
+    """``--nproc-per-node N|auto`` (torchrun's spelling): auto = one worker per GPU when CUDA
+    is there, else one per CPU core. Raises ValueError naming the form."""
+    if text is None:
+        return None
+    if text == "auto":
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--nproc-per-node {text}: give a number of workers >= 1, or auto")
+    return int(text)
+
+
+def _launch_target(args: argparse.Namespace) -> tuple[str, str]:
+    """(launch mode, what workers run): a script's absolute path, a module name (``-m``) or
+    a program (``--no-python``). Raises ValueError when it cannot be found."""
+    if getattr(args, "module", False) and getattr(args, "no_python", False):
+        raise ValueError("-m and --no-python exclude each other; give one")
+    if getattr(args, "module", False):
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())  # python -m looks in the working directory first
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise ValueError(
+                f"-m {args.script}: no such module from {os.getcwd()}; run from the directory "
+                "that holds the package, or install it"
+            )
+        return "module", args.script
+    if getattr(args, "no_python", False):
+        exe = shutil.which(args.script)
+        if exe is None:
+            raise ValueError(
+                f"--no-python {args.script}: not an executable on PATH or at that path"
+            )
+        return "exec", args.script if os.sep not in args.script else str(Path(exe).resolve())
+    script = Path(args.script)
+    if not script.is_file():
+        raise ValueError(
+            f"script {args.script!r} not found; pass the path of a Python training script "
+            "(-m MODULE for a module, --no-python for a program)"
+        )
+    return "script", str(script.resolve())
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -274,7 +327,7 @@ class Cluster:
             path.unlink(missing_ok=True)
 
 
-async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState, int]:
+async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
     controller = Controller(cfg, token, store)
     host, port = await controller.start()
@@ -292,9 +345,11 @@ async def _run(cfg: JobConfig, token: str, token_file: Path) -> tuple[JobState, 
     done = asyncio.ensure_future(controller.wait_done())
     while not done.done():
         cluster.supervise(store)
+        tee.poll()
         await asyncio.wait([done], timeout=0.2)
     state = done.result()
     await cluster.wait_exit(AGENT_EXIT_DEADLINE_S + cfg.stop_grace_s)
+    tee.poll(final=True)
     store.record("job_ended", {"phase": state.phase.value, "reason": state.reason})
     await controller.close()
     store.close()
@@ -322,6 +377,7 @@ def _lock_run_dir(run_dir: Path) -> IO[str]:
 
 def run_command(args: argparse.Namespace) -> int:
     cfg = build_config(args)
+    ranks = parse_ranks(args.tee, args.local_ranks_filter)
     lock = _lock_run_dir(Path(cfg.run_dir))  # noqa: F841 - released when this process exits
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
@@ -331,7 +387,8 @@ def run_command(args: argparse.Namespace) -> int:
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
-    state, sig = asyncio.run(_run(cfg, token, token_file))
+    tee = Tee(Path(cfg.log_dir or Path(cfg.run_dir) / "logs"), ranks)
+    state, sig = asyncio.run(_run(cfg, token, token_file, tee))
     return finish(cfg, state, sig)
 
 

@@ -67,8 +67,12 @@ class Pool(enum.StrEnum):
 class JobConfig:
     """A job's spec. Every field can be set in the ``--config`` TOML file."""
 
-    script: str  # path of the training script (Python)
+    script: str  # path of the training script (Python); a module name, or a program
     script_args: tuple[str, ...] = ()  # its arguments
+    # How a worker runs ``script``: "script" (python SCRIPT), "module" (python -m, torchrun's
+    # -m) or "exec" (the program itself, torchrun's --no-python).
+    launch: str = "script"
+    log_dir: str | None = None  # workers' logs (default RUN_DIR/logs)
     run_dir: str  # where store, logs, checkpoints and metrics go
     nodes: int = 1  # nodes the job runs on (the most, for an elastic job)
     # Elastic (``--nodes MIN:MAX``): with no standby left, go on with fewer nodes down to this
@@ -131,6 +135,10 @@ class JobConfig:
                 raise ValueError(msg)
 
         need(self.nodes >= 1, f"--nodes {self.nodes}: a job needs at least 1 node")
+        need(
+            self.launch in ("script", "module", "exec"),
+            f"launch = {self.launch!r}: use script, module (-m) or exec (--no-python)",
+        )
         need(
             self.min_nodes is None or 1 <= self.min_nodes <= self.nodes,
             f"--nodes {self.min_nodes}:{self.nodes}: need 1 <= MIN <= MAX",

@@ -1122,6 +1122,8 @@ def desired_for(
         "max_restarts": cfg.max_restarts,
         "injects": injects,
         "script": cfg.script,
+        "launch": cfg.launch,
+        "log_dir": cfg.log_dir,
         "script_args": list(cfg.script_args),
         "hang_timeout_s": cfg.hang_timeout_s,
         "hang_timeout_min_s": cfg.hang_timeout_min_s,
