@@ -33,7 +33,7 @@ def test_a_module_run_with_torchrun_spellings_shows_the_chosen_ranks(tmp_path: P
     )  # fmt: skip
     logs = tmp_path / "mylogs"
     res = _run(
-        tmp_path, "--standalone", "--nnodes", "1", "--nproc_per_node", "2", "--log_dir",
+        tmp_path, "--preflight", "off", "--standalone", "--nnodes", "1", "--nproc_per_node", "2", "--log_dir",
         str(logs), "--local-ranks-filter", "1", "-m", "mypkg.train", "--lr", "3",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
@@ -65,6 +65,7 @@ def test_no_python_runs_a_program_and_a_timed_drill_reaches_it(tmp_path: Path) -
         (["--node-rank", "1"], "node ranks are assigned by the controller"),
         (["--nproc-per-node", "two"], "--nproc-per-node two: give a number"),
         (["--tee", "7"], "--tee 7: use torchrun's 0-3"),
+        (["--preflight", "sometimes"], "--preflight: invalid choice: 'sometimes'"),
         (["-m", "no.such.module"], "-m no.such.module: no such module"),
         (["--no-python", "no-such-program-xyz"], "--no-python no-such-program-xyz"),
     ],

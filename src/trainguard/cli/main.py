@@ -118,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
         help="restarts before the job fails (default 3)",
     )
     torchrun_flags(r, multi_host=False)
+    r.add_argument("--preflight", choices=["off", "quick", "full"], default=None,
+                   help="pre-flight node checks before training (default quick)")  # fmt: skip
     r.add_argument(
         "--hang-timeout",
         "--hang_timeout",
@@ -164,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
         help="listen here (default 127.0.0.1:0); agents join with --controller HOST:PORT",
     )
     torchrun_flags(k, multi_host=True)
+    k.add_argument("--preflight", choices=["off", "quick", "full"], default=None,
+                   help="pre-flight node checks before training (default quick)")  # fmt: skip
     k.add_argument("--run-dir", type=Path, default=None, help="run directory (shared storage)")
     k.add_argument(
         "--token-file",

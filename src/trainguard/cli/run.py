@@ -144,6 +144,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         "log_dir": str(args.log_dir.resolve()) if args.log_dir else None,
         "max_restarts": args.max_restarts,
         "hang_timeout_s": args.hang_timeout,
+        "preflight": getattr(args, "preflight", None),
     }
     extra.update({k: v for k, v in flags.items() if v is not None})
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
