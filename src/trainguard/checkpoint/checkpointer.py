@@ -512,6 +512,13 @@ class Checkpointer:
         self._last_durable = step
 
     # ------------------------------------------------------------------ load
+    def resume_step(self) -> int | None:
+        """The step ``load`` would restore (the controller's choice under ``trainguard run``,
+        else the newest verified durable step), or None for a fresh start. Reads nothing."""
+        if self._rt.supervised:
+            return self._rt.restore_step
+        return storage.newest_verified(self.root)[0]
+
     def load(self, state: dict[str, Any]) -> int | None:
         """Restore ``state`` in place from the agreed step; returns that step or None.
 
