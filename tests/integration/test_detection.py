@@ -132,6 +132,7 @@ def test_a_thousand_clean_steps_raise_no_alert(tmp_path: Path) -> None:
     assert alerts(run_dir) == []
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_replace_policy_swaps_a_straggler_node_for_the_standby_and_loses_nothing(
     tmp_path: Path,
 ) -> None:

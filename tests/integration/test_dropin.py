@@ -107,6 +107,7 @@ def test_a_plain_script_gets_its_whole_restart_budget(tmp_path: Path) -> None:
     assert "restart 2: finished" in logs
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_a_long_evaluation_without_step_reports_is_not_a_hang(tmp_path: Path) -> None:
     """20 s of no_grad work every 20 steps on 2 nodes: the ranks are alive and busy (their
     main threads use CPU), so no hang verdict; both evaluations finish."""

@@ -138,6 +138,7 @@ def test_sigterm_to_run_stops_cleanly_and_a_rerun_resumes(tmp_path: Path) -> Non
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_injected_node_down_without_standby_waits_for_the_node(tmp_path: Path) -> None:
     res = run_job(tmp_path / "run", ["--nodes", "2", "--inject", "node-down:node=1:step=30"], ARGS)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -55,6 +55,7 @@ def test_a_hugging_face_trainer_resumes_exactly_after_a_kill(tmp_path: Path) -> 
     _compare(tmp_path, "hf_trainer.py", kill_step=10)
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_a_lightning_trainer_resumes_exactly_after_a_kill(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     _compare(tmp_path, "lightning_fit.py", kill_step=12)

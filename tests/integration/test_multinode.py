@@ -242,6 +242,7 @@ def test_controller_sigkill_and_restart_keeps_the_workers(
     assert {e["generation"] for e in evs if e["kind"] == "worker_started"} == {0}
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_controller_outage_longer_than_the_node_timeout(
     job: Job, reference: dict[int, float]
 ) -> None:
@@ -334,6 +335,7 @@ def _global_tokens(run_dir: Path) -> dict[int, int]:
     return {step: tokens for step, (_, tokens) in out.items()}
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_elastic_shrinks_on_node_loss_and_grows_back(hosts: Hosts, tmp_path: Path) -> None:
     steps = 100
     args = [*TINY, "--steps", str(steps), "--ckpt-every", "1", "--durable-every", "5"]

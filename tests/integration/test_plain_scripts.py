@@ -59,6 +59,7 @@ def _resumed_from(run: Path) -> list[int]:
     return [int(x) for x in re.findall(r"Resuming training from snapshot at Epoch (\d+)", text)]
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_the_ddp_tutorial_runs_as_under_torchrun_and_survives_a_kill(
     tmp_path: Path, under_torchrun: tuple[list[str], dict]
 ) -> None:
@@ -125,7 +126,7 @@ def test_a_sigstopped_rank_of_a_plain_script_is_a_hang_found_from_outside(
     assert _same_weights(torch.load(tmp_path / "snapshot.pt")["MODEL_STATE"], under_torchrun[1])
 
 
-@pytest.mark.parametrize("runtime", [False, True])
+@pytest.mark.parametrize("runtime", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_rank_stuck_at_exit_after_its_peers_finished_is_stopped(
     tmp_path: Path, runtime: bool
 ) -> None:

@@ -216,6 +216,7 @@ def test_leftover_process_full_shm_and_full_disk_each_flag_their_node(
         assert not (ckpt / "filler").exists()  # the mount was private to h3
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_a_job_leaves_out_a_node_that_fails_preflight_and_keeps_it_quarantined(
     tmp_path: Path,
 ) -> None:
