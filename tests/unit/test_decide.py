@@ -175,6 +175,21 @@ def test_without_standby_the_job_waits_for_the_node_to_return() -> None:
     assert s.phase == Phase.RENDEZVOUS and s.assignment == {"node0": 0, "node1": 1}
 
 
+def test_waiting_for_a_lost_node_has_a_deadline() -> None:
+    """Issue 13, property 6: WAITING_FOR_NODES fails the job after wait_for_nodes_timeout_s,
+    naming the node and the time waited (the checkpoint stays for a re-run)."""
+    sim = Sim(cfg(wait_for_nodes_timeout_s=60.0), 2)
+    sim.tick()
+    sim.run_generation()
+    sim.tick(6.0, seen=("node0",))
+    sim.ack_stop()
+    assert sim.tick(0.1, seen=("node0",)).phase == Phase.WAITING_FOR_NODES
+    assert sim.tick(59.0, seen=("node0",)).phase == Phase.WAITING_FOR_NODES
+    s = sim.tick(2.0, seen=("node0",))
+    assert s.phase == Phase.FAILED and "waited 61s for 1 node(s) to replace node1" in s.reason
+    assert s.recovery is None and len(s.recoveries) == 1
+
+
 def test_script_failing_before_first_step_is_a_user_error() -> None:
     sim = Sim(cfg(), 2)
     sim.tick()

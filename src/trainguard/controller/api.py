@@ -92,6 +92,8 @@ class JobConfig:
     )
     rendezvous_timeout_s: float = 120.0  # from generation start to every rank running
     stop_grace_s: float = 15.0  # SIGTERM → SIGKILL on a user stop (workers may save)
+    # WAITING_FOR_NODES (a lost node, no standby, not elastic) fails the job after this long.
+    wait_for_nodes_timeout_s: float = 1800.0
     # A rank still running after every peer exited 0, whose processes used no CPU for this
     # long, is stuck at exit (e.g. a process-group destructor waiting on a thread): stopped.
     exit_grace_s: float = 30.0
@@ -173,6 +175,7 @@ class JobConfig:
             "hang_timeout_max_s",
             "stop_persist_timeout_s",
             "exit_grace_s",
+            "wait_for_nodes_timeout_s",
         ):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
         need(

@@ -860,6 +860,16 @@ def _replace_and_restart(
                 events,
                 f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby",
             )
+        elif now - s.phase_since > cfg.wait_for_nodes_timeout_s:
+            s.reason = (
+                f"waited {now - s.phase_since:.0f}s for {len(lost) - len(spares)} node(s) to "
+                f"replace {', '.join(lost)}; none came (wait_for_nodes_timeout_s = "
+                f"{cfg.wait_for_nodes_timeout_s:.0f}); re-run with the same --run-dir to resume"
+            )
+            if s.recovery is not None:
+                s.recoveries.append(s.recovery)
+                s.recovery = None
+            _goto(s, Phase.FAILED, now, events, s.reason)
         return
     for n, spare in zip(lost, spares, strict=False):
         rank = s.assignment.pop(n)
