@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,24 @@ def test_config_values_of_the_wrong_type_are_one_line(
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), res.stderr
     assert needle in lines[0]
+
+
+def test_an_agent_without_its_controller_gives_up_in_bounded_time(tmp_path: Path) -> None:
+    """Issue 13, property 6: nothing waits forever. A real agent whose controller is gone
+    (nothing listens on its port) exits with status 3 and the reason after --give-up-after."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nobody listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = tmp_path / "token"
+    token.write_text("ab" * 16)
+    t0 = time.monotonic()
+    res = subprocess.run(
+        trainguard_cmd("agent", "--controller", f"127.0.0.1:{port}", "--token-file", token,
+                       "--node-id", "n0", "--advertise-addr", "127.0.0.1", "--run-dir",
+                       tmp_path / "run", "--give-up-after", "2"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert "no contact with controller" in res.stderr and time.monotonic() - t0 < 45

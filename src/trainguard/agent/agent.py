@@ -51,6 +51,7 @@ LOOP_S = 0.05
 # [hang_timeout_min_s, hang_timeout_max_s]. NVIDIA's resiliency extension derives its
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
 CALIBRATION_FACTOR = 10.0
+EXIT_CONTROLLER_LOST = 3  # the agent's exit status when it gave up on its controller
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +63,8 @@ class AgentConfig:
     run_dir: Path  # job run directory (logs, errors, checkpoints)
     exit_with_parent: bool = False  # embedded mode: stop when the launcher dies
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
+    # Exit (workers stopped, slots released) after this long without controller contact.
+    give_up_s: float | None = 600.0
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
@@ -217,9 +220,20 @@ class Agent:
             self.cfg.addr,
             self.report_port,
         )
+        code = 0
         try:
             while not self._shutdown.is_set():
                 if self.cfg.exit_with_parent and os.getppid() != parent:
+                    break
+                silent = time.monotonic() - self._last_report_ok
+                if self.cfg.give_up_s is not None and silent > self.cfg.give_up_s:
+                    log.error(
+                        "no contact with controller %s for %.0fs (--give-up-after %.0f): "
+                        "stopping workers, releasing memory slots, exiting; start the agent "
+                        "again once the controller is back",
+                        self.cfg.controller, silent, self.cfg.give_up_s,
+                    )  # fmt: skip
+                    code = EXIT_CONTROLLER_LOST
                     break
                 self._drain_udp()
                 self._poll_workers()
@@ -236,7 +250,7 @@ class Agent:
             self.spares.close()
             self._stop_ckptd()
             self._report_once(timeout_s=2.0)
-        return 0
+        return code
 
     # ------------------------------------------------------------------ ckptd
     def _slots(self, shm_dir: str) -> list[Path]:

@@ -194,6 +194,13 @@ def _parser() -> argparse.ArgumentParser:
         help="address workers and peers reach this node at",
     )
     a.add_argument("--run-dir", type=Path, required=True, help="the job's run dir (shared storage)")
+    a.add_argument(
+        "--give-up-after",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="without controller contact this long: stop workers, free slots, exit 3 (default 600)",
+    )
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
     h = sub.add_parser("check", help="pre-flight node checks: host, GEMM, collectives, training")
@@ -308,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                     addr=args.addr,
                     run_dir=args.run_dir,
                     exit_with_parent=args.exit_with_parent,
+                    give_up_s=args.give_up_after if args.give_up_after > 0 else None,
                 )
             )
         if args.cmd == "ckpt":
