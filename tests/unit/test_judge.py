@@ -185,13 +185,21 @@ def test_a_job_whose_nodes_all_fail_preflight_fails_with_their_reasons() -> None
                       check_problems=("GEMM wrong: 1 element(s)",)) for n in ("a", "b")}  # fmt: skip
     s, _ = decide(JobState(phase_since=0.0), obs, 1.0, cfg, [])
     assert s.phase.value == "PENDING" and s.pools == {"a": Pool.FAULTY, "b": Pool.FAULTY}
+    # Issue 13, property 5: a third node still being checked when the join timeout passes
+    # is waited for (its check has its own deadlines); the reason gives the real time.
+    obs["c"] = NodeObs(node_id="c", addr="c", incarnation="i", last_seen=31.0)
     for o in obs.values():
         o.last_seen = 31.0
     s, _ = decide(s, obs, 31.0, cfg, [])
+    assert s.phase.value == "PENDING"
+    obs["c"].checked_at, obs["c"].check_problems = 44.0, ("GEMM wrong: 2 element(s)",)
+    for o in obs.values():
+        o.last_seen = 45.0
+    s, _ = decide(s, obs, 45.0, cfg, [])
     assert s.phase.value == "FAILED"
     assert s.reason.startswith(
-        "only 0 of the 2 nodes needed passed pre-flight in 30s; failed: a: GEMM"
-    )
+        "only 0 of the 2 nodes needed passed pre-flight in 45s; failed: a: GEMM"
+    ), s.reason
 
 
 def test_errors_of_the_checks_own_machinery_are_inconclusive_not_failures() -> None:

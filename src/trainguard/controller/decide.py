@@ -530,7 +530,20 @@ def decide(
         # Every expected node joined, some failed pre-flight: start on the ones that passed.
         settled = enough and len(healthy) + len(failed) >= cfg.nodes + cfg.standby
         waited = now - s.phase_since > cfg.join_timeout_s
-        if failed and not enough and waited and len(healthy) + len(failed) >= cfg.nodes:
+        # A node whose pre-flight is still running is waited for: the check has deadlines
+        # of its own (stage deadlines; inconclusive runs are retried a bounded number of times).
+        checking = [
+            n for n, o in obs.items()
+            if n not in s.pools and cfg.preflight != "off" and o.checked_at is None
+            and _alive(o, now, cfg)
+        ]  # fmt: skip
+        if (
+            failed
+            and not enough
+            and waited
+            and not checking
+            and len(healthy) + len(failed) >= cfg.nodes
+        ):
             need = cfg.min_nodes or cfg.nodes
             why = "; ".join(
                 f"{n}: {(obs[n].check_problems or obs[n].health_problems or ('lost',))[0]}"
@@ -540,7 +553,7 @@ def decide(
             )
             s.reason = (
                 f"only {len(healthy)} of the {need} nodes needed passed pre-flight in "
-                f"{cfg.join_timeout_s:.0f}s; failed: {why}"
+                f"{now - s.phase_since:.0f}s; failed: {why}"
             )
             _goto(s, Phase.FAILED, now, events, s.reason)
             return s, events
@@ -551,7 +564,7 @@ def decide(
                 if everyone
                 else f"{len(healthy)} nodes passed pre-flight; left out: {', '.join(failed)}"
                 if settled
-                else f"{len(healthy)} nodes joined in {cfg.join_timeout_s}s"
+                else f"{len(healthy)} nodes joined in {now - s.phase_since:.0f}s"
             )
             _start_generation(s, obs, cfg, now, events, durable, why)
 
