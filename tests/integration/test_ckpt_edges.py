@@ -89,3 +89,55 @@ def test_a_state_with_a_key_the_checkpoint_lacks_is_one_checkpoint_error(tmp_pat
     _save(tmp_path / "ck", range(1, 2), lambda s: {"w": torch.ones(2)})
     with pytest.raises(CheckpointError, match="does not fit this state"):
         Checkpointer(tmp_path / "ck").load({"w": torch.zeros(2), "extra": torch.zeros(1)})
+
+
+def test_skipped_snapshots_are_bounded_said_and_waiting_for_a_slot_is_not_a_skip(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13, property 8: while both slots are held (another process holds the shared
+    lock the persister takes while it persists, as on a disk slower than the steps), at most
+    ``max_skipped`` snapshots in a row are skipped, said once on stderr; the next save waits
+    for a slot, so a memory restore never loses more than max_skipped + 1 steps."""
+    import subprocess
+    import sys
+    import time
+
+    ck = Checkpointer(tmp_path / "ck", durable_every=0, max_skipped=2)
+    state = {"w": torch.zeros(1000)}
+    ck.save(1, state)
+    ck.save(2, state)  # both slots now hold a snapshot
+    ck.wait_staged()
+    slots = [s.path for s in ck._slots]
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, sys, time\n"
+         "fs = [open(p, 'rb') for p in sys.argv[1:]]\n"
+         "[fcntl.flock(f, fcntl.LOCK_SH) for f in fs]\n"
+         "print('held', flush=True); time.sleep(3)",
+         *map(str, slots)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        ck.save(3, state)  # skipped
+        ck.save(4, state)  # skipped
+        assert time.monotonic() - t0 < 1.0
+        ck.save(5, state)  # the bound: waits until a slot is free
+        waited = time.monotonic() - t0
+        ck.wait_staged()
+    finally:
+        holder.wait(timeout=30)
+    assert waited >= 2.0, waited
+    held = [snapshot_step(p) for p in slots]
+    assert 5 in held and 3 not in held and 4 not in held, held
+    err = capfd.readouterr().err
+    assert err.count("skipped the snapshot of step 3") == 1 and "step 4" not in err
+    ck.close()
+
+
+def snapshot_step(path: Path) -> int | None:
+    from trainguard.checkpoint import snapshot
+
+    h = snapshot.peek_header(path)
+    return None if h is None else int(h["step"])

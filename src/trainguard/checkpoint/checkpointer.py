@@ -226,6 +226,11 @@ class Checkpointer:
             is in memory); 0 = only saves with ``durable=True``.
         overlap: copy in the background (see module docstring).
         memory_tier: False = synchronous DCP saves straight to the durable tier.
+        max_skipped: snapshots in a row that may be skipped while both slots are still being
+            persisted (disk slower than the steps); the next save then waits for a slot
+            (keep-alives sent: waiting is not a hang), so a memory restore never loses more
+            than ``max_skipped + 1`` steps. Each skip is a ``ckpt_skipped`` event; a run of
+            skips is said once on stderr. 0 = never skip.
     """
 
     def __init__(
@@ -236,7 +241,10 @@ class Checkpointer:
         durable_every: int = 1,
         overlap: bool = False,
         memory_tier: bool | None = None,
+        max_skipped: int = 4,
     ) -> None:
+        if max_skipped < 0:
+            raise ValueError(f"max_skipped={max_skipped}: must be >= 0")
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint")
         if durable_every < 0:
@@ -271,6 +279,7 @@ class Checkpointer:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stager: device.Stager | None = None  # pinned staging of GPU entries
         self._device_hold: tuple[device.Stager, device.Event] | None = None
+        self.max_skipped, self._skipped = max_skipped, 0  # snapshots skipped in a row
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
@@ -310,10 +319,20 @@ class Checkpointer:
         if not fits:
             self._allocate(backend, rank, state_mod.flatten(state, rank), len(blob))
         assert self._layout is not None
-        slot, lockf = self._take_slot(durable)
+        slot, lockf = self._take_slot(durable or self._skipped >= self.max_skipped)
         if slot is None:
-            self._rt.event("ckpt_skipped", step=step, reason="both snapshot slots busy persisting")
+            self._skipped += 1
+            self._rt.event(
+                "ckpt_skipped", step=step, skipped_in_a_row=self._skipped,
+                reason="both snapshot slots busy persisting (disk slower than the steps)",
+            )  # fmt: skip
+            if self._skipped == 1:
+                _say(
+                    f"rank {rank} skipped the snapshot of step {step}: both slots are still "
+                    f"being persisted; at most {self.max_skipped} in a row, then saves wait"
+                )
             return
+        self._skipped = 0
         meta = {
             "step": step,
             "generation": self._rt.generation,
@@ -471,11 +490,16 @@ class Checkpointer:
         self._newest = -1
         self._stager = None
 
-    def _take_slot(self, durable: bool) -> tuple[snapshot.Slot | None, Any]:
-        """Lock a slot the persister does not hold: prefer the one without the newest snapshot."""
+    def _take_slot(self, wait: bool) -> tuple[snapshot.Slot | None, Any]:
+        """Lock a slot the persister does not hold: prefer the one without the newest snapshot.
+        ``wait``: up to SLOT_WAIT_S (a durable step, or the skip bound reached), else not."""
         order = [1 - self._newest, self._newest] if self._newest >= 0 else [0, 1]
-        deadline = time.monotonic() + (SLOT_WAIT_S if durable else 0.0)
+        deadline = time.monotonic() + (SLOT_WAIT_S if wait else 0.0)
+        alive = time.monotonic()
         while True:
+            if time.monotonic() - alive > 1.0:  # waiting on our own machinery is not a hang
+                self._rt.keepalive()
+                alive = time.monotonic()
             for i in order:
                 slot = self._slots[i]
                 lockf = open(slot.path, "rb")  # noqa: SIM115 - closed when the copy finishes

@@ -149,6 +149,11 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             n: why.get(n, "") for n, p in sorted(pools.items()) if p in ("faulty", "retired")
         },
         "hangs": hangs,
+        "snapshots_skipped": sum(1 for e in events if e["kind"] == "ckpt_skipped"),
+        "max_skipped_in_a_row": max(
+            (int(e.get("skipped_in_a_row", 1)) for e in events if e["kind"] == "ckpt_skipped"),
+            default=0,
+        ),
         "planned_stops": [
             {k: e.get(k) for k in ("generation", "why", "last_step", "saved_step", "steps_lost")}
             for e in events
@@ -196,6 +201,13 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         f"not counted); productive step time {rep['productive_step_time_s']:.1f}s; "
         f"goodput (ETTR) {goodput}"
     )
+    if rep["snapshots_skipped"]:
+        con.print(
+            styled(("back-pressure: ", "yellow"),
+                   f"{rep['snapshots_skipped']} snapshot(s) skipped, at most "
+                   f"{rep['max_skipped_in_a_row']} in a row (both slots still being persisted: "
+                   "the disk was slower than the steps)")
+        )  # fmt: skip
     for p in rep["planned_stops"]:
         con.print(
             f"planned stop of generation {p['generation']} ({p['why']}): last step "
