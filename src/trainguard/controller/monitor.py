@@ -56,6 +56,12 @@ class Monitor:
         )
         self.g_loss = Gauge("trainguard_loss", "Newest loss reported by rank 0", registry=r)
         self.c_alerts = Counter("trainguard_alerts", "Alerts raised", ["kind"], registry=r)
+        self.c_skipped = Counter(
+            "trainguard_snapshots_skipped",
+            "Snapshots skipped: both slots still being persisted (back-pressure)",
+            ["rank"],
+            registry=r,
+        )
         self.g_phase = Gauge("trainguard_job_phase", "1 for the job's phase", ["phase"], registry=r)
         self.g_gen = Gauge("trainguard_generation", "Newest generation", registry=r)
         self.g_restarts = Gauge("trainguard_restarts", "Restarts after faults", registry=r)

@@ -358,6 +358,8 @@ class Controller:
             self.store.record(kind, ev, ts=ts)
             if kind == "inject_fired" and ev["inject"]["id"] not in self.state.fired:
                 self.state.fired.append(int(ev["inject"]["id"]))
+            if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
+                self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
             if kind in ("ckpt_load_start", "ckpt_load_end"):
                 self._mark(kind, int(ev.get("generation", -1)), int(ev["rank"]), float(ts or now))
         for batch in body.get("steps", []):
