@@ -336,3 +336,35 @@ def test_ckptd_killed_under_run_is_restarted_and_training_goes_on(tmp_path: Path
     assert "ckptd_restarted" in kinds and "fault" not in kinds  # no worker noticed beyond a retry
     assert sorted(losses(run)) == list(range(1, 121))
     assert max(storage.list_committed(run / "checkpoints")) == 120
+
+
+@pytest.mark.slow
+def test_a_frozen_ckptd_is_killed_restarted_and_no_rank_is_blamed(tmp_path: Path) -> None:
+    """Issue 13, property 2: ckptd SIGSTOPped (alive, answering nothing) is found by its
+    agent's liveness deadline (15 s), killed and restarted; the ranks blocked on it send
+    keep-alives while they retry, so no hang verdict falls on them; nothing is lost."""
+    from tests.conftest import TINY, events, losses, reached_step, start_job
+
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2"], [*TINY, "--steps", "150", "--durable-every", "10"])
+    wait_for(lambda: reached_step(run, 20), 90, "step 20")
+    out = subprocess.run(
+        ["pgrep", "-f", f"trainguard.checkpoint.ckptd .*--node node0 --ckpt-dir {run}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    pid = int(out.stdout.split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _, err = proc.communicate(timeout=280)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    evs = events(run)
+    kinds = [e["kind"] for e in evs]
+    assert "ckptd_unresponsive" in kinds and "ckptd_restarted" in kinds, kinds
+    assert "fault" not in kinds, [e for e in evs if e["kind"] == "fault"]
+    # a peer held up in its collective may be suspected, never judged: it is cleared
+    assert kinds.count("hang_suspected") == kinds.count("hang_cleared")
+    assert sorted(losses(run)) == list(range(1, 151))
+    assert max(storage.list_committed(run / "checkpoints")) == 150

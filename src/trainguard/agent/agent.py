@@ -51,7 +51,10 @@ LOOP_S = 0.05
 # [hang_timeout_min_s, hang_timeout_max_s]. NVIDIA's resiliency extension derives its
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
 CALIBRATION_FACTOR = 10.0
-EXIT_CONTROLLER_LOST = 3  # the agent's exit status when it gave up on its controller
+EXIT_CONTROLLER_LOST = 3
+# A live ckptd that has not answered its agent's status call for this long is killed and
+# restarted (liveness with a deadline: a frozen daemon holds the node's snapshots hostage).
+CKPTD_DEADLINE_S = 15.0  # the agent's exit status when it gave up on its controller
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +119,8 @@ class Agent:
         self._run_desired: dict[str, Any] = {}
         self.workers: dict[int, wk.Worker] = {}
         self._hang = False
+        self._hang_mono = 0.0  # when the hang was flagged
+        self._ckptd_silent_since: float | None = None  # ckptd alive but not answering since
         self._persisted: tuple[int, int] | None = None  # (step, gen) persisted on a planned stop
         self._drills_fired: set[int] = set()  # timed drills (after=T) fired by this agent
         self._sampled_mono = 0.0  # when the outside view was last read
@@ -282,6 +287,7 @@ class Agent:
                     "TRAINGUARD_TOKEN": self.cfg.token,
                 },
                 replica_bind=self.cfg.addr,
+                idle=self._drain_udp,  # workers' heartbeats and keep-alives go on arriving
             )
             self._replica_peers = None  # a new ckptd must be told its peers again
         except ckptd_mod.CheckpointError as e:
@@ -302,7 +308,22 @@ class Agent:
             if self._ckptd_client is not None:
                 self._ckptd_client.close()
             self._ckptd_client = None
+            now = time.monotonic()
+            if self._ckptd_silent_since is None:
+                self._ckptd_silent_since = now
+            elif now - self._ckptd_silent_since > CKPTD_DEADLINE_S:
+                # Alive but not answering (frozen, SIGSTOPped, deadlocked): kill it; the main
+                # loop restarts it and the new one re-adopts the intact slots.
+                silent = now - self._ckptd_silent_since
+                self._event("ckptd_unresponsive", silent_s=round(silent, 1), pid=self._ckptd.pid)
+                log.error(
+                    "ckptd (pid %d) has not answered for %.0fs: killing it", self._ckptd.pid, silent
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._ckptd.pid, signal.SIGKILL)
+                self._ckptd_silent_since = None
             return
+        self._ckptd_silent_since = None
         self._memory = st["memory"]
         persist = self._desired[1].get("persist")
         if persist is not None and (persist["step"], persist["generation"]) != self._persisted:
@@ -583,9 +604,16 @@ class Agent:
             outside.fire(spec, w, self._power_off)
 
     def _watch_hangs(self) -> None:
-        if self._hang or not self.workers:
+        if not self.workers:
             return
         now = time.monotonic()
+        if self._hang:
+            running = [w for w in self.workers.values() if w.state == "running"]
+            if running and all((w.last_progress_mono or 0.0) > self._hang_mono for w in running):
+                # every rank moved on (the wait was inside trainguard, under its deadlines)
+                self._hang = False
+                self._event("hang_cleared", generation=self.generation)
+            return
         for w in self.workers.values():
             if w.state != "running":
                 continue
@@ -600,7 +628,7 @@ class Agent:
             else:
                 how = "no step or heartbeat progress"
             if now - ref > limit:
-                self._hang = True
+                self._hang, self._hang_mono = True, now
                 self._report_now.set()
                 stacks = wk.dump_stacks(
                     {x.rank: x.proc.pid for x in self.workers.values() if x.state == "running"}
@@ -651,7 +679,7 @@ class Agent:
                 if it.get("phase") or (since is not None and wk.working(w, it, since)):
                     w.last_progress_mono = now
             elif kind == "alive":
-                w.last_hb_mono = w.last_progress_mono = now
+                w.last_hb_mono = w.last_progress_mono = w.in_trainguard_mono = now
             elif kind == "step":
                 w.last_hb_mono = now
                 if w.step is None or it["step"] > w.step:

@@ -56,6 +56,7 @@ class Worker:
     total_steps: int | None = None  # the step the script said it ends at
     # The outside view (agent/outside.py): process state and its tree's CPU time.
     proc_state: str | None = None  # psutil status; "stopped" for SIGSTOP / ptrace stop
+    in_trainguard_mono: float | None = None  # its last keep-alive: waiting on trainguard
     script_started_mono: float | None = None  # its spare opened the rank's log: the script runs
     stopped_since_mono: float | None = None
     tree_cpu_s: float | None = None
@@ -83,6 +84,8 @@ class Worker:
             "coll": list(self.coll) if self.coll is not None else None,
             "total_steps": self.total_steps,
             "proc_state": self.proc_state,
+            "in_trainguard": self.in_trainguard_mono is not None
+            and now_mono - self.in_trainguard_mono < IN_TRAINGUARD_S,
             "cpu_idle_s": None
             if self.cpu_progress_mono is None
             else max(0.0, now_mono - self.cpu_progress_mono),
@@ -111,6 +114,9 @@ class Worker:
 # (an evaluation loop of short forwards and sleeps uses ~0.05%–1%); one blocked in a
 # collective or a lock, or sleeping in a loop, uses ~0.001%.
 WORKING_CPU_SHARE = 1e-4
+# A rank that sent a keep-alive this recently is waiting inside trainguard (its calls send
+# one at least every 3 s: _Remote.ATTEMPT_S).
+IN_TRAINGUARD_S = 10.0
 
 
 def working(w: Worker, beat: dict[str, Any], since_s: float) -> bool:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,23 +129,28 @@ class _Local:
 
 
 class _Remote:
-    """The node's ckptd (under ``trainguard run``). If ckptd dies, the agent restarts it: each
-    call reconnects and retries for up to ``RECONNECT_S`` before giving up."""
+    """The node's ckptd (under ``trainguard run``). If ckptd dies or freezes, the agent
+    restarts it (a frozen one after its liveness deadline, 15 s): each call reconnects and
+    retries for up to ``RECONNECT_S`` before giving up, telling the agent it is waiting on
+    trainguard (``keepalive``) so that the wait is never taken for a hang."""
 
-    RECONNECT_S = 30.0
+    RECONNECT_S = 45.0
+    ATTEMPT_S = 3.0  # one attempt's deadline for quick calls (a frozen ckptd answers none)
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, keepalive: Callable[[], None] = lambda: None) -> None:
         self.name = name
         self.client: CkptdClient | None = None
+        self.keepalive = keepalive
 
     def _call(
-        self, req: dict[str, Any], timeout_s: float = 10.0, reconnect_s: float = RECONNECT_S
+        self, req: dict[str, Any], timeout_s: float = ATTEMPT_S, reconnect_s: float = RECONNECT_S
     ) -> dict[str, Any]:
         deadline = time.monotonic() + reconnect_s
         while True:
             try:
                 if self.client is None:
                     self.client = CkptdClient(self.name)
+                self.keepalive()
                 return self.client.call(req, timeout_s=timeout_s)
             except (OSError, CheckpointError) as e:
                 if isinstance(e, CheckpointError) and "closed the connection" not in str(e):
@@ -466,7 +471,9 @@ class Checkpointer:
         if self._backend is None:
             name = os.environ.get(rt_api.ENV_CKPTD)
             shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
-            self._backend = _Remote(name) if name else _Local(self.root, shm, self.keep)
+            self._backend = (
+                _Remote(name, self._rt.keepalive) if name else _Local(self.root, shm, self.keep)
+            )
         return self._backend
 
     def _allocate(

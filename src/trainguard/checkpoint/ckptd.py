@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -267,8 +268,10 @@ def spawn(
     env: dict[str, str] | None = None,
     timeout_s: float = 30.0,
     replica_bind: str | None = None,
+    idle: Callable[[], None] = lambda: None,
 ) -> subprocess.Popen[bytes]:
-    """Start a ckptd process and wait (``timeout_s``) until it accepts connections.
+    """Start a ckptd process and wait (``timeout_s``) until it accepts connections, calling
+    ``idle`` while it waits (the agent keeps reading its workers' reports meanwhile).
 
     Raises CheckpointError, naming its log, if it exits or does not listen in time (it is
     killed then).
@@ -301,6 +304,7 @@ def spawn(
             CkptdClient(socket_name(job, node), timeout_s=1.0).close()
             return proc
         except OSError:
+            idle()
             time.sleep(0.02)
     if proc.poll() is None:
         proc.kill()

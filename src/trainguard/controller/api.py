@@ -228,6 +228,7 @@ class WorkerObs:
     proc_state: str | None = None  # its process as the kernel has it; "stopped": SIGSTOP / ptrace
     runtime: bool = False  # its script runs trainguard's runtime (heartbeats seen)
     cpu_idle_s: float | None = None  # since its process tree last used CPU (agent/outside.py)
+    in_trainguard: bool = False  # waiting inside trainguard (keep-alives): not a hang
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

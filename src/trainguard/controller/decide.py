@@ -435,6 +435,8 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             if obs[n].generation == gen and w.state == "running"]  # fmt: skip
     if hung and len(live) < world_of(s, cfg) and not failed:
         hung = []  # the others exited 0: the last ranks are finishing; exit_grace_s bounds it
+    if hung and any(w.in_trainguard for w in live):
+        hung = []  # a rank waits inside trainguard (ckptd, a slot, durability): its deadlines bound it
     if hung:
         workers = [
             (n, w)

@@ -202,7 +202,9 @@ class Runtime:
 
     def keepalive(self) -> None:
         """Tell the agent this rank is busy but not hung (e.g. waiting, under its own deadline,
-        for a checkpoint to become durable): resets its hang timer without a new step."""
+        for a checkpoint to become durable or for its node's ckptd): resets its hang timer
+        without a new step, and marks the rank as waiting on trainguard, so that the peers
+        it holds up in a collective are not called hung either."""
         if self._agent is not None:
             self._queue.put({"t": "alive"})
 
