@@ -265,6 +265,7 @@ def test_a_job_leaves_out_a_node_that_fails_preflight_and_keeps_it_quarantined(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ten whole `trainguard check` runs, ~30 s each here
 def test_ten_runs_on_a_clean_pool_flag_no_node(tmp_path: Path) -> None:
     totals = []
     for i in range(10):
