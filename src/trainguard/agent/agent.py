@@ -143,6 +143,7 @@ class Agent:
         self._ckptd: subprocess.Popen[bytes] | None = None
         self._ckptd_client: ckptd_mod.CkptdClient | None = None
         self._memory: dict[str, Any] = {}
+        self._ckptd_idle = True  # ckptd verified everything staged (the memory index is whole)
         self._replicas: dict[str, Any] = {}  # source rank → [(step, gen)] held for peers
         self._replica_addr: str | None = None  # our ckptd's replica server
         self._replica_peers: list[str] | None = None  # where our ckptd replicates (told to it)
@@ -325,6 +326,7 @@ class Agent:
             return
         self._ckptd_silent_since = None
         self._memory = st["memory"]
+        self._ckptd_idle = bool(st.get("idle", True))
         persist = self._desired[1].get("persist")
         if persist is not None and (persist["step"], persist["generation"]) != self._persisted:
             try:  # a planned stop: write the newest snapshot held in memory to the durable tier
@@ -737,6 +739,7 @@ class Agent:
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
             "memory": self._memory,
+            "ckptd_idle": self._ckptd_idle,
             "health": self._health(),
             "checks": self.checks.report(),
             "time": time.time(),  # the controller measures clock skew from it

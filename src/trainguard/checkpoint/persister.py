@@ -373,8 +373,11 @@ class Persister:
         return True
 
     def idle(self) -> bool:
+        """Nothing staged is left to verify or persist here (a commit that only waits for
+        other ranks' parts does not count: those may never come after a fault)."""
         with self._cv:
-            return not any(self._pending.values()) and not self._commits and not self._busy
+            waiting = 1 if self._commits_waiting else 0
+            return not any(self._pending.values()) and self._busy <= waiting
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish pending persistence (bounded by ``timeout_s``), give up commits still waiting

@@ -256,6 +256,7 @@ class NodeObs:
     memory: dict[int, list[tuple[int, int]]] = dataclasses.field(
         default_factory=dict
     )  # rank → verified (step, gen) in ckptd
+    ckptd_idle: bool = True  # its ckptd has nothing queued (every staged snapshot verified)
     replicas: dict[int, list[tuple[int, int]]] = dataclasses.field(
         default_factory=dict
     )  # source rank → verified (step, gen) replicas this node holds for peers

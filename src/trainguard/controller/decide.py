@@ -85,6 +85,7 @@ class JobState:
     # "deadline"} while the nodes' ckptds write it (see _persist_planned_stop).
     persist: dict[str, Any] | None = None
     persist_done: int = -1  # the generation whose planned stop was already persisted
+    persist_settle_until: float | None = None  # waiting for ckptds to verify the last snapshots
     reason: str = ""  # why the job ended (terminal phases)
     max_step: dict[int, int] = dataclasses.field(
         default_factory=dict
@@ -835,6 +836,17 @@ def _replace_and_restart(
     events: list[Event],
     durable: list[tuple[int, int]],
 ) -> None:
+    # The restore point comes from the memory index: first let every live node's ckptd verify
+    # what its ranks staged before they stopped (bounded by PERSIST_SETTLE_S).
+    busy = [
+        n for n in s.assignment if n in obs and _alive(obs[n], now, cfg) and not obs[n].ckptd_idle
+    ]
+    if busy and cfg.memory_tier:
+        if s.persist_settle_until is None:
+            s.persist_settle_until = now + PERSIST_SETTLE_S
+        if now < s.persist_settle_until:
+            return
+    s.persist_settle_until = None
     lost = sorted(
         set(_lost(s, obs, now, cfg))
         | {n for n in s.assignment if s.pools.get(n) in (Pool.FAULTY, Pool.RETIRED)},
@@ -930,6 +942,9 @@ def _can_grow(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) 
     )
 
 
+PERSIST_SETTLE_S = 15.0  # a planned stop waits this long for ckptds to verify their queue
+
+
 def _persist_planned_stop(
     s: JobState,
     obs: dict[str, NodeObs],
@@ -949,6 +964,14 @@ def _persist_planned_stop(
     last = s.max_step.get(gen)
     newest_durable = max((st for st, _ in durable), default=None)
     if s.persist is None:
+        # The memory index is whole once every node's ckptd verified what was staged before
+        # the workers stopped (bounded: PERSIST_SETTLE_S, then what is indexed counts).
+        busy = [n for n in s.assignment if n in obs and not obs[n].ckptd_idle]
+        if cfg.memory_tier and busy:
+            if s.persist_settle_until is None:
+                s.persist_settle_until = now + PERSIST_SETTLE_S
+            if now < s.persist_settle_until:
+                return False
         point = _held_by_every_rank(s, obs, cfg) if cfg.memory_tier else None
         if point is not None and (newest_durable is None or point[0] > newest_durable):
             s.persist = {"step": point[0], "generation": point[1],
@@ -976,7 +999,7 @@ def _persist_planned_stop(
             },
         )
     )
-    s.persist, s.persist_done = None, gen
+    s.persist, s.persist_done, s.persist_settle_until = None, gen, None
     return True
 
 

@@ -338,6 +338,7 @@ class Controller:
             stopped_at=body.get("stopped_at"),
             cleaned_at=body.get("cleaned_at"),
             memory={int(r): [tuple(p) for p in v] for r, v in (body.get("memory") or {}).items()},
+            ckptd_idle=bool(body.get("ckptd_idle", True)),
             replicas={
                 int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()
             },
