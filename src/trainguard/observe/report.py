@@ -24,6 +24,7 @@ from trainguard.faults.inject import InjectSpec
 from trainguard.observe.console import console, styled
 
 PHASES = RECOVERY_PHASES
+ONE_SHOT = ("kill", "exit", "hang", "node-down", "hang-collective")  # drills that report firing
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -53,9 +54,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         if e["kind"] == "preflight_finished" and (first_gen is None or e["ts"] <= first_gen)
     )
     fired = set(state.get("fired", []))
-    drills = [
+    drills = [  # the one-shot drills (each says when it fired); slow/data/pre-flight ones act throughout
         {"inject": (spec := InjectSpec.from_json(d)).describe(), "fired": spec.id in fired}
         for d in cfg.get("injects", [])
+        if d.get("kind") in ONE_SHOT
     ]
     unseen = []
     if not rows and first_gen is not None:
