@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
-from trainguard.controller.decide import JobState, decide, desired_for, state_from_json
+from trainguard.controller.decide import JobState, decide, desired_for
+from trainguard.controller.jobstate import state_from_json
 from trainguard.controller.server import state_json
 
 PEER_LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
@@ -348,7 +349,7 @@ def test_config_rejects_bad_values_with_the_fix() -> None:
 
 
 def test_restore_point_prefers_a_memory_copy_every_rank_holds() -> None:
-    from trainguard.controller.decide import restore_point
+    from trainguard.controller.restore import restore_point
 
     sim = Sim(cfg(), 2)
     sim.tick()
@@ -398,7 +399,7 @@ def test_state_survives_the_store_round_trip() -> None:
 def test_restore_point_counts_replicas_on_healthy_nodes_only() -> None:
     """A replaced node's rank restores from the replica its ring peer holds; replicas on a
     node that is not healthy (lost, faulty) do not count."""
-    from trainguard.controller.decide import replica_sources, restore_point
+    from trainguard.controller.restore import replica_sources, restore_point
 
     c = cfg(nodes=2)
     s = JobState(
@@ -498,7 +499,7 @@ def _lose_again(s: JobState, node: str) -> JobState:
 
 
 def test_replica_peers_form_a_ring_of_the_configured_size() -> None:
-    from trainguard.controller.decide import replica_peers
+    from trainguard.controller.restore import replica_peers
 
     def ob(n: str) -> NodeObs:
         return NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0, replica_addr=f"{n}:1")
@@ -565,3 +566,26 @@ def test_a_planned_stop_persists_the_newest_memory_snapshot_before_the_restart()
     stop = next(d for k, d in ev if k == "planned_stop")
     assert (stop["saved_step"], stop["steps_lost"]) == (23, 0)
     assert s.assignment == {"a": 0, "b": 1} and s.restore_step == 23 and s.persist is None
+
+
+def test_a_point_no_rank_could_restore_falls_back_to_an_older_one_not_a_user_error() -> None:
+    sim = Sim(cfg(max_restarts=1), 2)  # fallbacks are not charged to the restart budget
+    sim.ckpt = [(4, 0), (8, 0), (12, 0)]
+    sim.tick()
+    assert sim.s.restore_step == 12
+    for expect_next in (8, 4, None):  # every copy turns out unreadable at load, newest first
+        sim.run_generation(step=None)  # type: ignore[arg-type]
+        sim.s.unusable.append([sim.s.restore_step, sim.s.restore_gen])  # the rank's report
+        w = sim.worker("node1")
+        w.step, w.state, w.exit_code, w.exited_at, w.error = (
+            None, "failed", 1, sim.now, "CheckpointCorruptError: step: checksum",
+        )  # fmt: skip
+        sim.tick()
+        sim.ack_stop()
+        sim.tick()
+        if expect_next is None:
+            break
+        assert sim.s.phase == Phase.RENDEZVOUS and sim.s.restore_step == expect_next
+    assert sim.s.phase == Phase.FAILED and "no restorable checkpoint left" in sim.s.reason
+    kinds = [d.get("next") for k, d in sim.events if k == "restore_fallback"]
+    assert kinds == [[8, 0], [4, 0], None] and sim.s.restarts == 0

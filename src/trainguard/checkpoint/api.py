@@ -17,3 +17,7 @@ class CheckpointNotFoundError(CheckpointError):
 
 class CheckpointCorruptError(CheckpointError):
     """A committed step failed checksum verification; it is never loaded."""
+
+
+class CheckpointReadError(CheckpointError):
+    """A committed step's files could not be read (permissions, I/O error, a file gone)."""

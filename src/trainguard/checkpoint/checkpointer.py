@@ -46,6 +46,7 @@ from trainguard.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointReadError,
 )
 from trainguard.checkpoint.ckptd import CkptdClient
 from trainguard.checkpoint.persister import WRITE_ERRORS, Persister
@@ -582,11 +583,25 @@ class Checkpointer:
                 return step
             problems = storage.verify(self.root, step)
             if problems:
-                if not storage.step_dir(self.root, step).exists():
+                missing = not storage.step_dir(self.root, step).exists()
+                self._restore_failed(rank, step, gen, "durable", problems)
+                if missing:
                     raise CheckpointNotFoundError(
-                        f"step {step} is in no tier of rank {rank} (memory or {self.root})"
+                        f"step {step} is in no tier of rank {rank} (memory or {self.root}); "
+                        "the controller restarts from an older checkpoint"
                     )
-                raise CheckpointCorruptError(f"step {step}: {'; '.join(problems)}")
+                raise CheckpointCorruptError(
+                    f"step {step}: {'; '.join(problems)}; the controller restarts from an "
+                    "older checkpoint"
+                )
+            try:
+                self._load_durable(state, rank, step)
+            except CheckpointReadError as e:
+                self._restore_failed(rank, step, gen, "durable", [str(e)])
+                raise
+            self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
+            _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
+            return step
         else:
             step, skipped = storage.newest_verified(self.root)
             for bad, problems in skipped.items():
@@ -600,9 +615,29 @@ class Checkpointer:
         _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
         return step
 
+    def _restore_failed(
+        self, rank: int, step: int, gen: int, tier: str, problems: list[str]
+    ) -> None:
+        """Tell the controller (synchronously: the rank raises next) that this rank cannot
+        restore the agreed point from any tier; it excludes the point and restarts from the
+        newest older one every rank can read (not a user error)."""
+        self._rt.event_now(
+            "ckpt_restore_failed",
+            step=step,
+            point_generation=gen,
+            tier=tier,
+            problems=problems[:4],
+        )
+
     def _load_durable(self, state: dict[str, Any], rank: int, step: int) -> None:
+        """Read this rank's keys of durable ``step`` into ``state``. Raises CheckpointReadError
+        when a file cannot be read (permissions, I/O error, vanished), CheckpointError when
+        the saved keys do not fit the live state."""
         path = storage.step_dir(self.root, step)
-        md = dcp.FileSystemReader(str(path)).read_metadata()
+        try:
+            md = dcp.FileSystemReader(str(path)).read_metadata()
+        except OSError as e:
+            raise CheckpointReadError(f"step {step} of {self.root}: {e}") from e
         saved_md = md.state_dict_metadata
         conv = state_mod.converted(state, rank)
         mine = f"{PER_RANK_KEY}.{rank}"
@@ -636,7 +671,17 @@ class Checkpointer:
                     planner=state_mod.TypedLoadPlanner(),
                     no_dist=True,
                 )
+        except OSError as e:
+            raise CheckpointReadError(f"step {step} of {self.root}: {e}") from e
         except CheckpointException as e:  # a BaseException: would escape `except Exception`
+            failures = getattr(e, "failures", {}) or {}
+            read = [
+                f[0]
+                for f in failures.values()
+                if isinstance(f, tuple) and isinstance(f[0], OSError)
+            ]
+            if read:
+                raise CheckpointReadError(f"step {step} of {self.root}: {read[0]}") from None
             first = next((ln for ln in str(e).splitlines() if "Error" in ln), str(e)[:300])
             raise CheckpointError(
                 f"step {step} of {self.root} does not fit this state ({first.strip()}); "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from trainguard.cli.run import _lock_run_dir, build_config, finish
 from trainguard.controller.api import JobConfig
-from trainguard.controller.decide import JobState, state_from_json
+from trainguard.controller.jobstate import JobState, state_from_json
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 

@@ -9,7 +9,6 @@ and events to record.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 from trainguard.controller.analysis import localize_hang
@@ -22,6 +21,8 @@ from trainguard.controller.api import (
     Recovery,
     WorkerObs,
 )
+from trainguard.controller.jobstate import JobState
+from trainguard.controller.restore import replica_peers, replica_sources, restore_point
 
 Event = tuple[str, dict[str, Any]]
 # Errors a rank raises when a *peer* died under a collective (gloo, NCCL): such a rank
@@ -34,82 +35,6 @@ _PEER_LOSS = (
     "remote process exited",
 )
 _ACTIVE_GEN = (Phase.RENDEZVOUS, Phase.RUNNING)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class JobState:
-    """Everything the controller knows about the job; persisted as JSON after each change."""
-
-    phase: Phase = Phase.PENDING
-    phase_since: float = 0.0
-    generation: int = -1  # newest generation started; -1 before the first
-    assignment: dict[str, int] = dataclasses.field(default_factory=dict)  # node id → node rank
-    pools: dict[str, Pool] = dataclasses.field(default_factory=dict)
-    join_order: list[str] = dataclasses.field(default_factory=list)
-    incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
-    gen_incarnations: dict[str, str] = dataclasses.field(
-        default_factory=dict
-    )  # at generation start
-    faulty_incarnations: dict[str, str] = dataclasses.field(
-        default_factory=dict
-    )  # when marked faulty
-    master_port: int | None = None
-    restore_step: int | None = None
-    restore_gen: int | None = (
-        None  # generation that wrote restore_step (the same copy on every rank)
-    )
-    growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
-    # node → why: replace it by a standby at the next checkpoint boundary (a straggler)
-    evict: dict[str, str] = dataclasses.field(default_factory=dict)
-    node_faults: dict[str, int] = dataclasses.field(default_factory=dict)  # times marked faulty
-    recheck_at: dict[str, float] = dataclasses.field(default_factory=dict)  # faulty → next check
-    faulty_since: dict[str, float] = dataclasses.field(
-        default_factory=dict
-    )  # readmit: a newer pass
-    last_world: int = 0  # ranks of the newest generation (a change: restore from durable)
-    # rank → replica server to fetch the restore point from (ranks on replaced nodes)
-    restore_sources: dict[str, str] = dataclasses.field(default_factory=dict)
-    restarts: int = 0
-    fired: list[int] = dataclasses.field(default_factory=list)  # inject ids that fired
-    recovery: Recovery | None = None  # in progress
-    recoveries: list[Recovery] = dataclasses.field(default_factory=list)
-    no_progress_generations: int = 0
-    prestep_failures: int = 0
-    # A script that never reports steps is judged by what can be seen: consecutive failures
-    # with the same last error line (a deterministic bug), not "before its first step".
-    last_failure: str = ""
-    seen_checkpoint: bool = False  # a trainguard checkpoint existed at some point
-    stop_requested: bool = False
-    # A planned stop (growth, eviction, user stop): the newest snapshot every rank holds in
-    # memory is persisted before the next generation or the end; {"step", "generation",
-    # "deadline"} while the nodes' ckptds write it (see _persist_planned_stop).
-    persist: dict[str, Any] | None = None
-    persist_done: int = -1  # the generation whose planned stop was already persisted
-    persist_settle_until: float | None = None  # waiting for ckptds to verify the last snapshots
-    reason: str = ""  # why the job ended (terminal phases)
-    max_step: dict[int, int] = dataclasses.field(
-        default_factory=dict
-    )  # generation → newest step seen
-
-
-def _recovery_from_json(d: dict[str, Any]) -> Recovery:
-    d = {k: v for k, v in d.items() if k != "durations_s"}
-    return Recovery(**{**d, "fault": Fault(**d["fault"])})
-
-
-def state_from_json(d: dict[str, Any]) -> JobState:
-    """The inverse of the controller's ``state_json`` (what it persists as ``state``).
-
-    Raises KeyError/TypeError/ValueError on a state this version cannot read.
-    """
-    fields = {f.name for f in dataclasses.fields(JobState)}
-    d = {k: v for k, v in d.items() if k in fields}
-    d["phase"] = Phase(d["phase"])
-    d["pools"] = {n: Pool(p) for n, p in d.get("pools", {}).items()}
-    d["max_step"] = {int(g): int(v) for g, v in d.get("max_step", {}).items()}
-    d["recovery"] = _recovery_from_json(d["recovery"]) if d.get("recovery") else None
-    d["recoveries"] = [_recovery_from_json(r) for r in d.get("recoveries", [])]
-    return JobState(**d)
 
 
 def _alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
@@ -686,90 +611,6 @@ def _blame_lost_node(
         events.append(("fault_refined", fault.to_json()))
 
 
-def restore_point(
-    s: JobState,
-    obs: dict[str, NodeObs],
-    cfg: JobConfig,
-    durable: list[tuple[int, int]],
-    *,
-    memory: bool = True,
-) -> tuple[tuple[int, int] | None, dict[str, int]]:
-    """The newest (step, generation) that every rank of the assignment can restore, and how
-    many ranks read it from each tier. A point is restorable when it is durable, or when
-    every rank can read a verified memory copy of it: on its own node, or as a replica on
-    another live node (replica_sources says where)."""
-    ranks: dict[int, set[tuple[int, int]]] = {}
-    local: dict[int, set[tuple[int, int]]] = {}
-    for node, node_rank in s.assignment.items():
-        mem = obs[node].memory if node in obs else {}
-        for i in range(cfg.nproc_per_node):
-            rank = node_rank * cfg.nproc_per_node + i
-            local[rank] = {tuple(p) for p in mem.get(rank, [])} if memory else set()  # type: ignore[misc]
-            ranks[rank] = local[rank] | {
-                tuple(p)  # type: ignore[misc]
-                for n, o in obs.items()
-                if memory and n != node and o.replica_addr and cfg.replicas and _healthy(s, n)
-                for p in o.replicas.get(rank, [])
-            }
-    in_memory = set.intersection(*ranks.values()) if ranks else set()
-    candidates = in_memory | set(durable)
-    if not candidates:
-        return None, {}
-    point = max(candidates)
-    tiers = {"memory": sum(point in m for m in local.values())}
-    tiers["replica"] = sum(point in ranks[r] and point not in local[r] for r in ranks)
-    tiers["durable"] = len(ranks) - tiers["memory"] - tiers["replica"]
-    return point, tiers
-
-
-def _healthy(s: JobState, node: str) -> bool:
-    return s.pools.get(node) in (Pool.RUNNING, Pool.STANDBY)
-
-
-def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
-    """rank → replica server of a live node holding the restore point for a rank whose own
-    node does not (a replaced node's ranks)."""
-    if s.restore_step is None or s.restore_gen is None or not cfg.replicas:
-        return {}
-    point = (s.restore_step, s.restore_gen)
-    out: dict[str, str] = {}
-    for node, node_rank in s.assignment.items():
-        mem = obs[node].memory if node in obs else {}
-        for i in range(cfg.nproc_per_node):
-            rank = node_rank * cfg.nproc_per_node + i
-            if point in {tuple(p) for p in mem.get(rank, [])}:
-                continue
-            for n, o in sorted(obs.items()):
-                if (
-                    n != node
-                    and o.replica_addr
-                    and _healthy(s, n)
-                    and point in {tuple(p) for p in o.replicas.get(rank, [])}
-                ):
-                    out[str(rank)] = o.replica_addr
-                    break
-    return out
-
-
-def replica_peers(s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig) -> list[str]:
-    """Where ``node_id``'s ckptd replicates: the next ``cfg.replica_copies`` nodes by node
-    rank (a ring); a one-node job replicates to standby nodes."""
-    if not cfg.replicas:
-        return []
-    ring = sorted(s.assignment, key=lambda n: s.assignment[n])
-    if node_id not in ring:
-        return []
-    if len(ring) > 1:
-        i = ring.index(node_id)
-        peers = [
-            ring[(i + k) % len(ring)] for k in range(1, min(cfg.replica_copies, len(ring) - 1) + 1)
-        ]
-    else:
-        standby = sorted(n for n, p in s.pools.items() if p == Pool.STANDBY and n in obs)
-        peers = standby[: cfg.replica_copies]
-    return [a for n in peers if n in obs and (a := obs[n].replica_addr)]
-
-
 def _apply_policy(
     s: JobState,
     obs: dict[str, NodeObs],
@@ -787,6 +628,33 @@ def _apply_policy(
     # that repeats word for word (a bug in the script, not a transient fault).
     reports_steps = bool(s.max_step)
     line = _last_line(fault.message) if fault.cause == "worker_exit" else ""
+    # A rank could not read the agreed point from any tier: an older one is used next. Not
+    # the script's failure, and not a generation without progress.
+    fallback = [s.restore_step, s.restore_gen] in s.unusable
+    if fallback:
+        point, _ = restore_point(s, obs, cfg, durable)
+        events.append(
+            (
+                "restore_fallback",
+                {
+                    "generation": gen,
+                    "unusable": [s.restore_step, s.restore_gen],
+                    "next": list(point) if point else None,
+                },
+            )
+        )
+        if point is None:
+            s.reason = (
+                f"no restorable checkpoint left: step {s.restore_step} failed to load from "
+                "every tier and no older verified copy exists (see ckpt_restore_failed events)"
+            )
+        else:  # each fallback drops a point, so they are bounded: not charged to the budget
+            s.fallback = True
+        if s.reason:
+            s.recoveries.append(s.recovery)
+            s.recovery = None
+            _goto(s, Phase.FAILED, now, events, s.reason)
+        return
     if fault.cause != "worker_exit":
         s.prestep_failures = 0
     elif reports_steps:
@@ -920,10 +788,13 @@ def _replace_and_restart(
     s.assignment = {n: i for i, n in enumerate(order)}
     if s.recovery is not None:
         s.recovery.t_replaced = now
-    s.restarts += 1
-    _start_generation(
-        s, obs, cfg, now, events, durable, f"restart {s.restarts} of {cfg.max_restarts}"
-    )
+    if s.fallback:
+        s.fallback = False
+        why = f"restart from an older checkpoint (restart {s.restarts} of {cfg.max_restarts})"
+    else:
+        s.restarts += 1
+        why = f"restart {s.restarts} of {cfg.max_restarts}"
+    _start_generation(s, obs, cfg, now, events, durable, why)
 
 
 def world_of(s: JobState, cfg: JobConfig) -> int:

@@ -103,7 +103,7 @@ class Controller:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
-        self._verified: dict[int, bool] = {}
+        self._verified: dict[tuple[int, int], bool] = {}
         self._marks: dict[str, dict[int, float]] = {}
         self._first_step_gen: set[int] = set()
         self._last_state = ""
@@ -361,6 +361,10 @@ class Controller:
                 self.state.fired.append(int(ev["inject"]["id"]))
             if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
                 self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
+            if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
+                point = [int(ev["step"]), int(ev["point_generation"])]
+                if point not in self.state.unusable:
+                    self.state.unusable.append(point)
             if kind in ("ckpt_load_start", "ckpt_load_end"):
                 self._mark(kind, int(ev.get("generation", -1)), int(ev["rank"]), float(ts or now))
         for batch in body.get("steps", []):
@@ -441,20 +445,23 @@ class Controller:
 
     # ------------------------------------------------------------------ tick
     def _durable(self) -> list[tuple[int, int]]:
-        """Verified committed (step, generation) pairs of the durable tier (each verified once)."""
+        """Verified committed (step, generation) pairs of the durable tier. Each copy is
+        verified once (a copy = a step and the generation that committed it); a copy a rank
+        could not read later is left out (``JobState.unusable``)."""
         root = Path(self.cfg.ckpt_dir)
         out = []
         for step in storage.list_committed(root):
-            if step not in self._verified:
+            copy = (step, storage.committed_generation(root, step))
+            if copy not in self._verified:
                 problems = storage.verify(root, step)
-                self._verified[step] = not problems
+                self._verified[copy] = not problems
                 if problems:
                     self.store.record(
                         "checkpoint_corrupt",
                         {"step": step, "tier": "durable", "problems": problems},
                     )
-            if self._verified[step]:
-                out.append((step, storage.committed_generation(root, step)))
+            if self._verified[copy] and list(copy) not in self.state.unusable:
+                out.append(copy)
         return out
 
     def _tick(self) -> None:

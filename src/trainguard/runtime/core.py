@@ -213,6 +213,12 @@ class Runtime:
         if self._agent is not None:
             self._queue.put({"t": "event", "kind": kind, "ts": time.time(), **data})
 
+    def event_now(self, kind: str, **data: Any) -> None:
+        """Send an event synchronously, for one the process may not outlive (an error it is
+        about to raise): on loopback the datagram is in the agent's buffer when this returns."""
+        with contextlib.suppress(OSError):
+            self._send_now({"t": "event", "kind": kind, "ts": time.time(), **data})
+
     def _send_now(self, message: dict[str, Any]) -> None:
         if self._sock is not None and self._agent is not None:
             message.update(rank=self.rank, pid=os.getpid(), gen=self.generation)

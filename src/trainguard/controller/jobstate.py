@@ -1,0 +1,89 @@
+"""The controller's job state (``JobState``) and its JSON form: what the controller persists
+after each change and what a restarted controller resumes from."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainguard.controller.api import Fault, Phase, Pool, Recovery
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class JobState:
+    """Everything the controller knows about the job; persisted as JSON after each change."""
+
+    phase: Phase = Phase.PENDING
+    phase_since: float = 0.0
+    generation: int = -1  # newest generation started; -1 before the first
+    assignment: dict[str, int] = dataclasses.field(default_factory=dict)  # node id → node rank
+    pools: dict[str, Pool] = dataclasses.field(default_factory=dict)
+    join_order: list[str] = dataclasses.field(default_factory=list)
+    incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
+    gen_incarnations: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # at generation start
+    faulty_incarnations: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # when marked faulty
+    master_port: int | None = None
+    restore_step: int | None = None
+    restore_gen: int | None = (
+        None  # generation that wrote restore_step (the same copy on every rank)
+    )
+    growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
+    # node → why: replace it by a standby at the next checkpoint boundary (a straggler)
+    evict: dict[str, str] = dataclasses.field(default_factory=dict)
+    node_faults: dict[str, int] = dataclasses.field(default_factory=dict)  # times marked faulty
+    recheck_at: dict[str, float] = dataclasses.field(default_factory=dict)  # faulty → next check
+    faulty_since: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # readmit: a newer pass
+    last_world: int = 0  # ranks of the newest generation (a change: restore from durable)
+    # rank → replica server to fetch the restore point from (ranks on replaced nodes)
+    restore_sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    restarts: int = 0
+    fired: list[int] = dataclasses.field(default_factory=list)  # inject ids that fired
+    recovery: Recovery | None = None  # in progress
+    recoveries: list[Recovery] = dataclasses.field(default_factory=list)
+    no_progress_generations: int = 0
+    prestep_failures: int = 0
+    # A script that never reports steps is judged by what can be seen: consecutive failures
+    # with the same last error line (a deterministic bug), not "before its first step".
+    last_failure: str = ""
+    # [step, generation] points some rank could not restore from any tier (a corrupt or
+    # unreadable copy found at load): never chosen again, an older point is used instead.
+    unusable: list[list[int]] = dataclasses.field(default_factory=list)
+    fallback: bool = False  # the next restart re-tries an older point (no budget spent)
+    seen_checkpoint: bool = False  # a trainguard checkpoint existed at some point
+    stop_requested: bool = False
+    # A planned stop (growth, eviction, user stop): the newest snapshot every rank holds in
+    # memory is persisted before the next generation or the end; {"step", "generation",
+    # "deadline"} while the nodes' ckptds write it (see _persist_planned_stop).
+    persist: dict[str, Any] | None = None
+    persist_done: int = -1  # the generation whose planned stop was already persisted
+    persist_settle_until: float | None = None  # waiting for ckptds to verify the last snapshots
+    reason: str = ""  # why the job ended (terminal phases)
+    max_step: dict[int, int] = dataclasses.field(
+        default_factory=dict
+    )  # generation → newest step seen
+
+
+def _recovery_from_json(d: dict[str, Any]) -> Recovery:
+    d = {k: v for k, v in d.items() if k != "durations_s"}
+    return Recovery(**{**d, "fault": Fault(**d["fault"])})
+
+
+def state_from_json(d: dict[str, Any]) -> JobState:
+    """The inverse of the controller's ``state_json`` (what it persists as ``state``).
+
+    Raises KeyError/TypeError/ValueError on a state this version cannot read.
+    """
+    fields = {f.name for f in dataclasses.fields(JobState)}
+    d = {k: v for k, v in d.items() if k in fields}
+    d["phase"] = Phase(d["phase"])
+    d["pools"] = {n: Pool(p) for n, p in d.get("pools", {}).items()}
+    d["max_step"] = {int(g): int(v) for g, v in d.get("max_step", {}).items()}
+    d["recovery"] = _recovery_from_json(d["recovery"]) if d.get("recovery") else None
+    d["recoveries"] = [_recovery_from_json(r) for r in d.get("recoveries", [])]
+    return JobState(**d)

@@ -1,0 +1,94 @@
+"""Where a restart restores from: the restore point every rank can read, the replica
+servers of ranks on replaced nodes, and each node's replica peers. Pure functions of the
+job state and the agents' reports (no I/O)."""
+
+from __future__ import annotations
+
+from trainguard.controller.api import JobConfig, NodeObs, Pool
+from trainguard.controller.jobstate import JobState
+
+
+def restore_point(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    durable: list[tuple[int, int]],
+    *,
+    memory: bool = True,
+) -> tuple[tuple[int, int] | None, dict[str, int]]:
+    """The newest (step, generation) that every rank of the assignment can restore, and how
+    many ranks read it from each tier. A point is restorable when it is durable, or when
+    every rank can read a verified memory copy of it: on its own node, or as a replica on
+    another live node (replica_sources says where). Points some rank already failed to
+    restore from every tier (``s.unusable``) are never chosen."""
+    ranks: dict[int, set[tuple[int, int]]] = {}
+    local: dict[int, set[tuple[int, int]]] = {}
+    for node, node_rank in s.assignment.items():
+        mem = obs[node].memory if node in obs else {}
+        for i in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + i
+            local[rank] = {tuple(p) for p in mem.get(rank, [])} if memory else set()  # type: ignore[misc]
+            ranks[rank] = local[rank] | {
+                tuple(p)  # type: ignore[misc]
+                for n, o in obs.items()
+                if memory and n != node and o.replica_addr and cfg.replicas and _healthy(s, n)
+                for p in o.replicas.get(rank, [])
+            }
+    in_memory = set.intersection(*ranks.values()) if ranks else set()
+    unusable = {(p[0], p[1]) for p in s.unusable}
+    candidates = (in_memory | set(durable)) - unusable
+    if not candidates:
+        return None, {}
+    point = max(candidates)
+    tiers = {"memory": sum(point in m for m in local.values())}
+    tiers["replica"] = sum(point in ranks[r] and point not in local[r] for r in ranks)
+    tiers["durable"] = len(ranks) - tiers["memory"] - tiers["replica"]
+    return point, tiers
+
+
+def _healthy(s: JobState, node: str) -> bool:
+    return s.pools.get(node) in (Pool.RUNNING, Pool.STANDBY)
+
+
+def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
+    """rank → replica server of a live node holding the restore point for a rank whose own
+    node does not (a replaced node's ranks)."""
+    if s.restore_step is None or s.restore_gen is None or not cfg.replicas:
+        return {}
+    point = (s.restore_step, s.restore_gen)
+    out: dict[str, str] = {}
+    for node, node_rank in s.assignment.items():
+        mem = obs[node].memory if node in obs else {}
+        for i in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + i
+            if point in {tuple(p) for p in mem.get(rank, [])}:
+                continue
+            for n, o in sorted(obs.items()):
+                if (
+                    n != node
+                    and o.replica_addr
+                    and _healthy(s, n)
+                    and point in {tuple(p) for p in o.replicas.get(rank, [])}
+                ):
+                    out[str(rank)] = o.replica_addr
+                    break
+    return out
+
+
+def replica_peers(s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig) -> list[str]:
+    """Where ``node_id``'s ckptd replicates: the next ``cfg.replica_copies`` nodes by node
+    rank (a ring); a one-node job replicates to standby nodes."""
+    if not cfg.replicas:
+        return []
+    ring = sorted(s.assignment, key=lambda n: s.assignment[n])
+    if node_id not in ring:
+        return []
+    if len(ring) > 1:
+        i = ring.index(node_id)
+        peers = [
+            ring[(i + k) % len(ring)] for k in range(1, min(cfg.replica_copies, len(ring) - 1) + 1)
+        ]
+    else:
+        standby = sorted(n for n, p in s.pools.items() if p == Pool.STANDBY and n in obs)
+        peers = standby[: cfg.replica_copies]
+    return [a for n in peers if n in obs and (a := obs[n].replica_addr)]

@@ -1,0 +1,190 @@
+"""Faults of trainguard's own parts (issue 13): corrupt copies in each checkpoint tier, a re-run
+of a crashed run dir. Real processes, real bytes flipped in real /dev/shm segments and files;
+each test ends with the losses of the fault-free run for every step."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import (
+    TINY,
+    events,
+    losses,
+    reached_step,
+    run_job,
+    start_job,
+    wait_for,
+)
+from trainguard.checkpoint import snapshot
+from trainguard.checkpoint.replica import replica_path
+
+STEPS = 120
+# A snapshot every 5 steps: the replica of each one reaches its peer before the next.
+ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--durable-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The fault-free run's losses (two nodes, same model, data and seed)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    res = run_job(run_dir, ["--nodes", "2"], ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return losses(run_dir)
+
+
+def _job(run_dir: Path) -> str:
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def _workers(run_dir: Path, generation: int, n: int = 2) -> dict[int, int]:
+    """rank → pid of the generation's workers (waits until all ``n`` started)."""
+
+    def started() -> dict[int, int] | None:
+        got = {
+            int(e["rank"]): int(e["pid"])
+            for e in events(run_dir)
+            if e["kind"] == "worker_started" and e["generation"] == generation
+        }
+        return got if len(got) == n else None
+
+    return wait_for(started, 90, f"the workers of generation {generation}")
+
+
+def _generation(run_dir: Path) -> int:
+    return max(e["generation"] for e in events(run_dir) if e["kind"] == "generation_started")
+
+
+def _freeze(pids: dict[int, int]) -> None:
+    """SIGSTOP every worker: no new snapshot replaces the one a test corrupts."""
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    time.sleep(1.0)  # a push or persist in flight finishes (the daemons are not frozen)
+
+
+def _step(path: Path) -> int:
+    h = snapshot.peek_header(path)
+    return -1 if h is None else int(h["step"])
+
+
+def _newest(shm: Path, job: str, node: str, rank: int) -> int:
+    return max(_step(p) for p in snapshot.slot_paths(shm, job, node, rank))
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _flip_snapshot(path: Path) -> tuple[int, int]:
+    """Flip a byte inside the first tensor of a snapshot file; returns its (step, generation)."""
+    h = snapshot.peek_header(path)
+    assert h is not None, path
+    t = max(h["layout"]["tensors"], key=lambda e: e["nbytes"])
+    _flip(path, t["offset"] + t["nbytes"] // 2)
+    return int(h["step"]), int(h["generation"])
+
+
+def _agent_pid(run_dir: Path, node_id: str) -> int:
+    def find() -> int | None:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "agent" in cmd and node_id in cmd and str(run_dir) in cmd:
+                return p.pid
+        return None
+
+    return int(wait_for(find, 30, f"agent {node_id}"))
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 300.0) -> str:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"job did not finish in {timeout}s:\n{err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    run = tmp_path / "run"
+    shm, job = Path("/dev/shm"), _job(run)
+    proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS)
+    try:
+        # 1. Memory tier: rank 1's newest snapshot gets a flipped byte after ckptd verified
+        #    it, then rank 1 is killed. The restore must not load it: it reads the durable
+        #    copy of that step, or (none) the whole job falls back to an older point.
+        pids = _workers(run, 0)
+        wait_for(lambda: reached_step(run, 25), 120, "step 25")
+        _freeze(pids)
+        newest = max(snapshot.slot_paths(shm, job, "node1", 1), key=_step)
+        bad_mem = _flip_snapshot(newest)
+        os.kill(pids[1], signal.SIGKILL)
+
+        # 2. Replica and durable tiers: a byte flipped in the replica of rank 1 that node0
+        #    holds and in the newest durable step, then node1's agent is SIGKILLed (its
+        #    workers die with it): the standby takes rank 1 and must not restore either.
+        wait_for(lambda: _generation(run) >= 1, 60, "the restart")
+        wait_for(lambda: reached_step(run, bad_mem[0] + 20), 120, "20 more steps")
+        gen = _generation(run)
+        pids = _workers(run, gen)
+        _freeze(pids)
+        replica = replica_path(shm, job, "node0", 1)
+        wait_for(
+            lambda: (
+                _step(replica) == _newest(shm, job, "node1", 1) == _newest(shm, job, "node0", 0)
+            ),
+            30,
+            "the replica of the newest snapshot",
+        )
+        bad_replica = _flip_snapshot(replica)
+        ckpts = sorted(
+            int(d.name.removeprefix("step_")) for d in (run / "checkpoints").glob("step_*")
+        )
+        bad_disk = ckpts[-1]
+        part = next((run / "checkpoints" / f"step_{bad_disk}").rglob("*.distcp"))
+        _flip(part, part.stat().st_size // 2)
+        os.kill(_agent_pid(run, "node1"), signal.SIGKILL)
+        for pid in pids.values():  # node0's worker resumes and sees its peer gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+    assert losses(run) == reference  # every step, bit for bit
+    evs = events(run)
+    loads = [e for e in evs if e["kind"] == "ckpt_load_end"]
+    starts = [e for e in evs if e["kind"] == "generation_started"]
+    chosen = [(e["restore_step"], e["restore_generation"]) for e in starts]
+    unusable = [tuple(e["unusable"]) for e in evs if e["kind"] == "restore_fallback"]
+    # Nothing corrupt was ever loaded: the memory copy, the replica, the disk copy.
+    for e in loads:
+        assert not (e["rank"] == 1 and e["tier"] == "memory" and e["step"] == bad_mem[0]), e
+        assert not (e["rank"] == 1 and e["tier"] == "replica" and e["step"] == bad_replica[0]), e
+        assert not (e["tier"] == "durable" and e["step"] == bad_disk), e
+    corrupt = [e for e in evs if e["kind"] in ("ckpt_corrupt", "checkpoint_corrupt")]
+    assert {e["tier"] for e in corrupt} >= {"replica", "durable"}, corrupt
+    # A point a rank could not read anywhere is never chosen again.
+    for point in unusable:
+        assert chosen.count(point) == 1, (point, chosen)
+    # The controller never called it a user error, and every fault was recovered from.
+    assert not any(e["kind"] == "phase" and e["to"] == "FAILED" for e in evs)
+    assert not any("user error" in str(e.get("reason", "")) for e in evs)
