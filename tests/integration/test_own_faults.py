@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -188,3 +190,90 @@ def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
     # The controller never called it a user error, and every fault was recovered from.
     assert not any(e["kind"] == "phase" and e["to"] == "FAILED" for e in evs)
     assert not any("user error" in str(e.get("reason", "")) for e in evs)
+
+
+def _kill_everything(run_dir: Path, proc: subprocess.Popen[str]) -> None:
+    """SIGKILL every process of the run at once: launcher, agents, daemons, workers."""
+    tag = str(run_dir)
+    victims = [psutil.Process(proc.pid)]
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.pid != proc.pid and (
+                tag in " ".join(p.cmdline()) or any(tag in v for v in p.environ().values())
+            ):
+                victims.append(p)
+    for p in victims:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.communicate(timeout=30)
+    psutil.wait_procs(victims, timeout=30)
+
+
+def test_a_rerun_of_a_run_dir_killed_whole_never_mixes_the_two_runs(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    proc = start_job(run, ["--nodes", "2"], ARGS)
+    try:
+        wait_for(lambda: len(list(ckpts.glob("step_*"))) >= 2, 120, "two steps on disk")
+        _kill_everything(run, proc)
+        _check_rerun(run, reference)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for seg in Path("/dev/shm").glob(f"trainguard-{_job(run)}-*"):  # a failed test's
+            seg.unlink(missing_ok=True)
+
+
+def _check_rerun(run: Path, reference: dict[int, float]) -> None:
+    ckpts = run / "checkpoints"
+    old_gens = {e["generation"] for e in events(run) if e["kind"] == "generation_started"}
+    real = {p.name for p in ckpts.glob(".tmp-*")}  # a step the dead run was writing, for real
+    # Planted as well: a step half-written by generation 0 and by generation 1 (the numbers
+    # the new run would reuse if it counted from 0 again), and a commit that died between
+    # its two renames (the newest step moved aside, no step_N under its name).
+    for gen in (0, 1):
+        part = ckpts / f".tmp-step_1000-gen{gen}" / "rank_0"
+        part.mkdir(parents=True)
+        (part / "__0_0.distcp").write_bytes(b"half a step of the dead run")
+    newest = max(int(d.name.removeprefix("step_")) for d in ckpts.glob("step_*"))
+    aside = ckpts / f".replaced-step_{newest}-4242-1"
+    os.rename(ckpts / f"step_{newest}", aside)
+
+    res = run_job(run, ["--nodes", "2"], ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert losses(run) == reference  # every step, bit for bit, across the two runs
+    evs = events(run)
+    (rerun,) = [e for e in evs if e["kind"] == "rerun"]
+    assert rerun["incarnation"] == 1 and rerun["previous_phase"] == "RUNNING"
+    planted = {".tmp-step_1000-gen0", ".tmp-step_1000-gen1"}
+    assert set(rerun["leftovers"]["removed"]) == planted | real
+    assert rerun["leftovers"]["restored"] == [aside.name]
+    new = [e for e in evs[evs.index(rerun) :] if e["kind"] == "generation_started"]
+    assert min(e["generation"] for e in new) == max(old_gens) + 1  # numbering continues
+    assert new[0]["restore_step"] >= newest  # nothing committed was lost
+    assert not list(ckpts.glob(".tmp-*")) and not list(ckpts.glob(".replaced-*"))
+    verify = subprocess.run(
+        [*_tg(), "ckpt", "verify", "--run-dir", str(run), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert verify.returncode == 0, verify.stdout
+    rep = json.loads(
+        subprocess.run(
+            [*_tg(), "report", "--run-dir", str(run), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+    assert rep["phase"] == "SUCCEEDED" and rep["incarnation"] == 1 and rep["earlier_runs"] == 1
+    assert rep["generations"] == len(new)
+
+
+def _tg() -> list[str]:
+    return [sys.executable, "-m", "trainguard"]

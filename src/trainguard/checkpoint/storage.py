@@ -200,3 +200,36 @@ def prune(
         if stale_step or stale_gen:
             shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def clean_leftovers(root: Path) -> dict[str, list[str]]:
+    """Make a durable tier left by a dead run safe to write into again; call it before any
+    writer of the new run starts (``trainguard run`` does, once, at its start).
+
+    - ``.tmp-step_*`` (a step being written when the run died, never committed) is removed;
+    - ``.replaced-step_N-*`` (``commit`` died between its two renames) is renamed back to
+      ``step_N`` when no ``step_N`` exists and it verifies, else removed.
+
+    Returns ``{"removed": [...], "restored": [...]}`` (directory names). A missing root is
+    clean. OSErrors other than a vanished entry propagate (the run dir is unusable)."""
+    out: dict[str, list[str]] = {"removed": [], "restored": []}
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = root / name
+        m = re.match(r"^\.replaced-step_(\d+)-", name)
+        if m is not None and not step_dir(root, int(m.group(1))).exists():
+            step = int(m.group(1))
+            os.rename(path, step_dir(root, step))
+            if not verify(root, step):
+                out["restored"].append(name)
+                continue
+            os.rename(step_dir(root, step), path)  # not a whole copy: remove it below
+        if name.startswith((".tmp-step_", ".replaced-step_")):
+            shutil.rmtree(path, ignore_errors=True)
+            out["removed"].append(name)
+    if out["removed"] or out["restored"]:
+        _fsync_dir(root)
+    return out

@@ -21,9 +21,10 @@ import signal
 import sys
 from pathlib import Path
 
-from trainguard.cli.run import _lock_run_dir, build_config, finish
+from trainguard.checkpoint import storage
+from trainguard.cli.run import _lock_run_dir, build_config, finish, previous_run
 from trainguard.controller.api import JobConfig
-from trainguard.controller.jobstate import JobState, state_from_json
+from trainguard.controller.jobstate import JobState
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 
@@ -58,10 +59,21 @@ def read_or_create_token(path: Path) -> str:
 
 
 async def _serve(
-    cfg: JobConfig, token: str, token_file: Path, host: str, port: int, resume: JobState | None
+    cfg: JobConfig,
+    token: str,
+    token_file: Path,
+    host: str,
+    port: int,
+    resume: JobState | None,
+    rerun_of: JobState | None = None,
 ) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
-    controller = Controller(cfg, token, store, host=host, port=port, resume=resume)
+    # A job that ended: its agents exited, nothing writes its durable tier any more.
+    leftovers = storage.clean_leftovers(Path(cfg.ckpt_dir)) if rerun_of is not None else {}
+    controller = Controller(
+        cfg, token, store, host=host, port=port, resume=resume, rerun_of=rerun_of,
+        leftovers=leftovers,
+    )  # fmt: skip
     host, port = await controller.start()
     info = Path(cfg.run_dir) / "controller.json"
     info.write_text(json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()}))
@@ -127,25 +139,19 @@ def controller_command(args: argparse.Namespace) -> int:
     )
     token_file = args.token_file or run_dir / "token"
     token = read_or_create_token(token_file)
-    resume = None
+    resume = rerun_of = None
     if (run_dir / "job.sqlite").exists():
         store = Store(run_dir)
         try:
-            saved = store.get("state")
+            state = previous_run(store, run_dir)
         finally:
             store.close()
-        if saved is not None:
-            try:
-                state = state_from_json(saved)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"{run_dir}/job.sqlite holds a controller state this version cannot read "
-                    f"({e}); pass another --run-dir"
-                ) from None
-            if not state.phase.terminal:
-                resume = state
-                _same_job(run_dir, cfg)
-                if port == 0:  # agents know the old address: listen there again
-                    port = _previous_port(run_dir, host) or 0
-    state, sig = asyncio.run(_serve(cfg, token, token_file, host, port, resume))
+        if state is not None and not state.phase.terminal:
+            resume = state  # its agents may still run: the same incarnation goes on
+            _same_job(run_dir, cfg)
+            if port == 0:  # agents know the old address: listen there again
+                port = _previous_port(run_dir, host) or 0
+        else:
+            rerun_of = state
+    state, sig = asyncio.run(_serve(cfg, token, token_file, host, port, resume, rerun_of))
     return finish(cfg, state, sig)

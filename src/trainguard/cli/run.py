@@ -29,8 +29,9 @@ import typing
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.checkpoint import storage
 from trainguard.controller.api import JobConfig, Phase
-from trainguard.controller.decide import JobState
+from trainguard.controller.jobstate import JobState, state_from_json
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
@@ -328,9 +329,29 @@ class Cluster:
             path.unlink(missing_ok=True)
 
 
+def previous_run(store: Store, run_dir: Path) -> JobState | None:
+    """The last state a previous run of ``run_dir`` persisted, or None for a new run dir.
+    Raises ValueError naming the fix when this version cannot read it."""
+    saved = store.get("state")
+    if saved is None:
+        return None
+    try:
+        return state_from_json(saved)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{run_dir}/job.sqlite holds a controller state this version cannot read ({e}); "
+            "pass another --run-dir"
+        ) from None
+
+
 async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
-    controller = Controller(cfg, token, store)
+    # A re-run: every process of the previous run died with it (agents and daemons die with
+    # their parent), so what it left half-written in the durable tier is removed before any
+    # writer of this run starts, and this run numbers its generations after the old ones.
+    prev = previous_run(store, Path(cfg.run_dir))
+    leftovers = storage.clean_leftovers(Path(cfg.ckpt_dir)) if prev is not None else {}
+    controller = Controller(cfg, token, store, rerun_of=prev, leftovers=leftovers)
     host, port = await controller.start()
     cluster = Cluster(cfg, f"{host}:{port}", token_file)
     got_signal: list[int] = []

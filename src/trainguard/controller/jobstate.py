@@ -13,6 +13,9 @@ from trainguard.controller.api import Fault, Phase, Pool, Recovery
 class JobState:
     """Everything the controller knows about the job; persisted as JSON after each change."""
 
+    # Runs of this run dir before this one (a re-run after a crash, a stop or the end): the
+    # generations of every run of one run dir are numbered in one sequence.
+    incarnation: int = 0
     phase: Phase = Phase.PENDING
     phase_since: float = 0.0
     generation: int = -1  # newest generation started; -1 before the first
@@ -87,3 +90,18 @@ def state_from_json(d: dict[str, Any]) -> JobState:
     d["recovery"] = _recovery_from_json(d["recovery"]) if d.get("recovery") else None
     d["recoveries"] = [_recovery_from_json(r) for r in d.get("recoveries", [])]
     return JobState(**d)
+
+
+def next_incarnation(prev: JobState, now: float) -> JobState:
+    """The state a new run of a run dir starts from, after ``prev`` (the last state its
+    previous run persisted): generation numbers continue after ``prev``'s (no step directory,
+    snapshot or store row of the new run can take an old run's generation number), and copies
+    found unreadable stay excluded. Everything else starts fresh (restart budget included)."""
+    return JobState(
+        phase_since=now,
+        incarnation=prev.incarnation + 1,
+        generation=prev.generation,
+        last_world=prev.last_world,
+        unusable=[list(p) for p in prev.unusable],
+        seen_checkpoint=prev.seen_checkpoint,
+    )

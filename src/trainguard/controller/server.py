@@ -32,6 +32,7 @@ from trainguard.checkpoint import storage
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
+from trainguard.controller.jobstate import next_incarnation
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight, Verdict
@@ -74,6 +75,10 @@ class Controller:
     the job goes on where it was, without restarting workers. For ``node_timeout_s`` after
     the start no decision is taken until every node of the job has reported again.
 
+    ``rerun_of``: the last state of a previous run of this run dir that is over (ended, or
+    died with its agents): this run is its next incarnation (``next_incarnation``) and
+    records a ``rerun`` event with ``leftovers`` (what ``storage.clean_leftovers`` removed).
+
     ``check_only``: no job; run one pre-flight over the first ``cfg.nodes`` agents that report
     (or those there after ``join_timeout_s``), then end (``trainguard check``).
     """
@@ -87,13 +92,20 @@ class Controller:
         host: str = "127.0.0.1",
         port: int = 0,
         resume: JobState | None = None,
+        rerun_of: JobState | None = None,
+        leftovers: dict[str, list[str]] | None = None,
         check_only: bool = False,
         check_cfg: CheckConfig | None = None,
     ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
         self.check_only = check_only
         self._token = f"Bearer {token}".encode()
-        self.state = resume if resume is not None else JobState(phase_since=time.time())
+        if resume is not None:
+            self.state = resume
+        elif rerun_of is not None:
+            self.state = next_incarnation(rerun_of, time.time())
+        else:
+            self.state = JobState(phase_since=time.time())
         self._resume_until = time.time() + cfg.node_timeout_s if resume is not None else 0.0
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(time.time() * 1000)
@@ -141,9 +153,21 @@ class Controller:
                 {"phase": resume.phase.value, "generation": resume.generation},
             )
             return
+        if rerun_of is not None:
+            store.record(
+                "rerun",
+                {
+                    "incarnation": self.state.incarnation,
+                    "previous_phase": rerun_of.phase.value,
+                    "previous_generation": rerun_of.generation,
+                    "previous_reason": rerun_of.reason,
+                    "leftovers": leftovers or {},
+                },
+            )
         store.record(
             "job_started",
             {
+                "incarnation": self.state.incarnation,
                 "nodes": cfg.nodes,
                 "standby": cfg.standby,
                 "world_size": cfg.world_size,

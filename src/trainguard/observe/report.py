@@ -40,6 +40,14 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         ).fetchall()
     finally:
         db.close()
+    # A run dir run again (a re-run after a crash or a stop): the report is of its newest run.
+    starts = [i for i, e in enumerate(events) if e["kind"] == "job_started"]
+    runs = len(starts)
+    if starts:
+        events = events[starts[-1] :]
+        first = next((e["generation"] for e in events if e["kind"] == "generation_started"), None)
+        if first is not None:
+            rows = [r for r in rows if r[2] >= first]
     t0 = next((e["ts"] for e in events if e["kind"] == "job_started"), None)
     t1 = next(
         (e["ts"] for e in reversed(events) if e["kind"] == "job_ended"),
@@ -116,9 +124,11 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir),
         "kind": "check" if is_check else "job",
+        "incarnation": int(state.get("incarnation", 0)),
+        "earlier_runs": max(0, runs - 1),
         "phase": state.get("phase"),
         "reason": state.get("reason", ""),
-        "generations": state.get("generation", -1) + 1,
+        "generations": sum(e["kind"] == "generation_started" for e in events),
         "steps_completed": [r[0] for r in rows],
         "last_step": rows[-1][0] if rows else None,
         "wall_time_s": wall,
@@ -196,6 +206,11 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         _print_preflight(con, rep)
         return 0
     con.print(f"job: {rep['phase']}  {rep['reason']}")
+    if rep["earlier_runs"]:
+        con.print(
+            f"run {rep['incarnation'] + 1} of this run dir: the report covers this run; "
+            f"{rep['earlier_runs']} earlier run(s) are in its events (trainguard events)"
+        )
     goodput = "unknown (no steps reported)" if rep["goodput"] is None else f"{rep['goodput']:.1%}"
     con.print(
         f"steps completed: {len(rep['steps_completed'])} (last {rep['last_step']}) in {rep['generations']} "
