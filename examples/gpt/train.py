@@ -187,19 +187,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         for v in range(rank, shards, world)
     ]
-    sampler = samplers[0]
     scale = world / shards  # DDP averages over the world; the loss is the mean over all shards
 
     train = TrainState(ddp, optim)
-    per_rank = {"rng": torch.get_rng_state(), "data": sampler.state_dict()}
-    state: dict[str, Any] = {"train": train, "per_rank": per_rank}
+    # The dropout RNG stream is this rank's; each data shard's position follows the shard to
+    # whichever rank runs it after an elastic change (trainguard merges per_shard by shard).
+    per_rank = {"rng": torch.get_rng_state()}
+    per_shard = {
+        v: s.state_dict() for v, s in zip(range(rank, shards, world), samplers, strict=True)
+    }
+    state: dict[str, Any] = {"train": train, "per_rank": per_rank, "per_shard": per_shard}
     # Snapshots to memory overlap the next forward/backward; the optimizer waits for them.
     ckpt = trainguard.Checkpointer(durable_every=args.durable_every, overlap=True)
     ckpt.attach(optim)
     restored = ckpt.load(state)
     if restored is not None:
         torch.set_rng_state(per_rank["rng"])
-        sampler.load_state_dict(per_rank["data"])
+        for v, s in zip(range(rank, shards, world), samplers, strict=True):
+            s.load_state_dict(per_shard[v])
     start = train.step
     n_params = sum(p.numel() for p in model.parameters())
     print(
@@ -255,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         ab_off = args.ckpt_ab > 0 and (step - 1 + args.ckpt_ab // 2) // args.ckpt_ab % 2 == 1
         if last or (args.ckpt_every and step % args.ckpt_every == 0 and not ab_off):
             per_rank["rng"] = torch.get_rng_state()
-            per_rank["data"] = sampler.state_dict()
+            for v, s in zip(range(rank, shards, world), samplers, strict=True):
+                per_shard[v] = s.state_dict()
             ckpt.save(step, state, durable=True if last else None)
         if stopping:
             print(f"[rank {rank}] SIGTERM: saved step {step}, exiting", flush=True)

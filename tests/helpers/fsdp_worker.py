@@ -9,7 +9,8 @@ An MLP sharded with ``fully_shard`` on a 1-D mesh, AdamW state through DCP's
 state to FULL.pt from rank 0, and prints, per rank, the tensor bytes its snapshot holds and
 the bytes of the whole state. ``load`` builds the model from another seed, restores (with
 ``--plain``: plain ``dcp.load``, no trainguard) and prints whether every full tensor equals
-FULL.pt's.
+FULL.pt's, the rank's ``per_rank`` value and the positions of the ``per_shard`` shards it
+runs now.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def full(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SHARDS = 8  # data-parallel shards: the largest world this helper runs at
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["save", "load"])
@@ -82,7 +86,11 @@ def main() -> int:
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     app = App(model, optim)
-    state = {"app": app}
+    # Per-rank state (follows the rank number) and the state of 8 data-parallel shards, rank r
+    # running shards r, r+W, ... (follows the shard to whichever rank runs it).
+    per_rank = {"who": torch.tensor([rank if a.mode == "save" else -1])}
+    per_shard = {v: {"pos": -1} for v in range(rank, SHARDS, world)}
+    state: dict[str, Any] = {"app": app, "per_rank": per_rank, "per_shard": per_shard}
     ckpt = Checkpointer(a.root, durable_every=1)
     if a.mode == "save":
         g = torch.Generator().manual_seed(rank)
@@ -90,6 +98,8 @@ def main() -> int:
             model(torch.randn(8, 24, generator=g)).square().sum().backward()
             optim.step()
             optim.zero_grad()
+            for v in per_shard:
+                per_shard[v]["pos"] = 1000 + 10 * v + step
             ckpt.save(step, state)
         assert ckpt._layout is not None  # the snapshot's layout: what this rank's slot holds
         mine = sum(e.nbytes for e in ckpt._layout.tensors)
@@ -102,13 +112,15 @@ def main() -> int:
     else:
         if a.plain:
             step = storage.list_committed(Path(a.root))[-1]
-            dcp.load(state, checkpoint_id=str(storage.step_dir(Path(a.root), step)))
+            dcp.load({"app": app}, checkpoint_id=str(storage.step_dir(Path(a.root), step)))
         else:
             step = ckpt.load(state)
         got = full(app.state_dict())
         want = torch.load(a.out, weights_only=False)
         same = _equal(got, want)
-        print(json.dumps({"rank": rank, "step": step, "equal": same}), flush=True)
+        shards = ",".join(f"{v}:{s['pos']}" for v, s in per_shard.items())  # a flat line
+        out = {"rank": rank, "step": step, "equal": same, "who": int(per_rank["who"])}
+        print(json.dumps(out | ({} if a.plain else {"shards": shards})), flush=True)
         ckpt.close()
     dist.barrier()
     dist.destroy_process_group()

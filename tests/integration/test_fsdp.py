@@ -93,6 +93,8 @@ def test_world_change_reshards_the_durable_checkpoint(
     evs = events(run_dir)
     changes = [(e["from_nodes"], e["to_nodes"]) for e in evs if e["kind"] == "membership_changed"]
     assert changes[:1] == [(2, 1)], changes
+    dropped = [e for e in evs if e["kind"] == "ckpt_per_rank_dropped"]
+    assert [(e["generation"], e["ranks"]) for e in dropped][:1] == [(1, [2, 3])], dropped
     assert set(_loads(run_dir, 1).values()) == {"durable"} and len(_loads(run_dir, 1)) == 2
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -114,7 +116,10 @@ def _torchrun(d: Path, n: int, *args: str) -> list[dict[str, object]]:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # the ranks' lines share one stdout and may interleave: take each flat JSON object
-    return [json.loads(x) for x in re.findall(r"\{[^{}]*\}", out.stdout)]
+    rows = [json.loads(x) for x in re.findall(r"\{[^{}]*\}", out.stdout)]
+    for r in rows:
+        r["stderr"] = out.stderr
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +136,20 @@ def saved_at_world_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_checkpoint_saved_at_world_4_loads_at_another_world(
     saved_at_world_4: Path, world: int
 ) -> None:
-    for loaded in (
-        _torchrun(saved_at_world_4, world, "load"),
-        _torchrun(saved_at_world_4, world, "load", "--plain"),  # plain dcp.load, no trainguard
-    ):
+    ours = _torchrun(saved_at_world_4, world, "load")
+    plain = _torchrun(saved_at_world_4, world, "load", "--plain")  # plain dcp.load, no trainguard
+    for loaded in (ours, plain):
         assert sorted(int(r["rank"]) for r in loaded) == list(range(world))
         assert all(r["equal"] and r["step"] == 3 for r in loaded), loaded
+    # per_shard state follows its shard: every shard's position is the one saved, whichever
+    # of the 4 saving ranks ran it; per_rank state follows the rank number, and what no rank
+    # of the new world takes is reported as dropped, never silently handed to another rank.
+    for r in ours:
+        assert r["who"] == (r["rank"] if r["rank"] < 4 else -1), r  # -1: new rank, fresh
+        want = ",".join(f"{v}:{1000 + 10 * v + 3}" for v in range(r["rank"], 8, world))
+        assert r["shards"] == want, r
+    dropped = "the per_rank state of ranks 2, 3 is dropped"
+    assert (dropped in ours[0]["stderr"]) == (world == 2), ours[0]["stderr"][-2000:]
 
 
 def test_sharded_tensor_chunks_are_one_global_tensor(tmp_path: Path) -> None:

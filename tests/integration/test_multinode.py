@@ -51,10 +51,11 @@ class Job:
         self.agents: list[subprocess.Popen[bytes]] = []
         self.addr = ""
         self.port = 0
+        self.config = FAST_CONFIG
 
     def start_controller(self) -> None:
         cfg = self.run_dir.parent / f"{self.run_dir.name}.toml"
-        cfg.write_text(FAST_CONFIG)
+        cfg.write_text(self.config)
         info = self.run_dir / "controller.json"
         bind = f"{self.hosts.gateway}:{self.port}"
         cmd = trainguard_cmd(
@@ -226,6 +227,10 @@ def test_cut_link_is_replaced_by_the_standby(job: Job, reference: dict[int, floa
 def test_controller_sigkill_and_restart_keeps_the_workers(
     job: Job, reference: dict[int, float]
 ) -> None:
+    # The restart must come back within the agents' fencing bound (node_timeout_s): a new
+    # controller process takes seconds to start on a loaded 2-core machine, so 10 s, not 3.
+    job.config = FAST_CONFIG.replace("node_timeout_s = 3.0", "node_timeout_s = 10.0")
+    assert job.config != FAST_CONFIG
     job.start_controller()
     job.start_agents()
     wait_for(lambda: reached_step(job.run_dir, 10), 120, "step 10")
@@ -384,6 +389,11 @@ def test_elastic_shrinks_on_node_loss_and_grows_back(hosts: Hosts, tmp_path: Pat
     evs = read_events(run_dir)
     changes = [(e["from_nodes"], e["to_nodes"]) for e in evs if e["kind"] == "membership_changed"]
     assert changes == [(3, 2), (2, 3)], changes
+    # The shrink dropped rank 2's per-rank state (its RNG stream), and said so; the data
+    # shards' positions (per_shard) all went to the ranks that run them now.
+    dropped = [e for e in evs if e["kind"] == "ckpt_per_rank_dropped"]
+    assert [(e["generation"], e["ranks"]) for e in dropped] == [(1, [2])], dropped
+    assert not [e for e in evs if e["kind"] == "ckpt_per_shard_absent"]
     assert {e["generation"] for e in evs if e["kind"] == "generation_started"} == {0, 1, 2}
     grow = next(e for e in evs if e["kind"] == "generation_started" and e["generation"] == 2)
     # the growth restarted from the step the workers saved when asked to stop: nothing lost

@@ -43,6 +43,7 @@ from trainguard.checkpoint import device, snapshot, storage
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import (
     PER_RANK_KEY,
+    PER_SHARD_KEY,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -640,12 +641,7 @@ class Checkpointer:
             raise CheckpointReadError(f"step {step} of {self.root}: {e}") from e
         saved_md = md.state_dict_metadata
         conv = state_mod.converted(state, rank)
-        mine = f"{PER_RANK_KEY}.{rank}"
-        if mine in conv and not any(k == mine or k.startswith(mine + ".") for k in saved_md):
-            # The world grew: no rank had this number when the step was saved. The
-            # replicated state is all there; this rank's own state starts fresh.
-            del conv[mine]
-            self._rt.event("ckpt_per_rank_absent", step=step, rank=rank)
+        self._account_per_rank(conv, saved_md, rank, step)
         live, _ = state_mod.flatten_typed(conv)
         paths = md.planner_data if isinstance(md.planner_data, dict) else {}
         saved = {
@@ -688,6 +684,43 @@ class Checkpointer:
                 "the script's state must have the keys it had when it saved"
             ) from None
         state_mod.apply(state, conv, rank)
+
+    def _account_per_rank(self, conv: dict[str, Any], saved_md: Any, rank: int, step: int) -> None:
+        """Per-rank and per-shard state across a world change (elastic), never silent:
+
+        - a key of this rank's (``per_rank.<rank>``, ``per_shard.<id>``) that the step does
+          not hold starts fresh (the world grew, or a shard no one ran): event
+          ``ckpt_per_rank_absent`` / ``ckpt_per_shard_absent``;
+        - rank 0 reports the ``per_rank`` state of ranks beyond the world that it drops (the
+          world shrank: their RNG states cannot be merged): ``ckpt_per_rank_dropped``, and a
+          stderr line. ``per_shard`` state is never dropped: every shard goes to the rank
+          that runs it now.
+        """
+        saved_ranks: set[int] = set()
+        for k in saved_md:
+            head, _, rest = k.partition(".")
+            if head == PER_RANK_KEY and rest.split(".", 1)[0].isdigit():
+                saved_ranks.add(int(rest.split(".", 1)[0]))
+
+        def held(key: str) -> bool:
+            return any(k == key or k.startswith(key + ".") for k in saved_md)
+
+        for key in [k for k in conv if k.startswith((PER_RANK_KEY + ".", PER_SHARD_KEY + "."))]:
+            if not held(key):
+                del conv[key]
+                if key.startswith(PER_RANK_KEY + "."):
+                    self._rt.event("ckpt_per_rank_absent", step=step, rank=rank)
+                else:
+                    self._rt.event("ckpt_per_shard_absent", step=step, shard=key.split(".", 1)[1])
+        _, world = _rank_world()
+        dropped = sorted(r for r in saved_ranks if r >= world)
+        if rank == 0 and dropped:
+            self._rt.event("ckpt_per_rank_dropped", step=step, ranks=dropped, world=world)
+            _say(
+                f"step {step} was saved by {max(saved_ranks) + 1} ranks, this world has {world}: "
+                f"the per_rank state of ranks {', '.join(map(str, dropped))} is dropped (keep "
+                f"what must follow the data in state['{PER_SHARD_KEY}'] instead)"
+            )
 
     def _load_memory(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
         name_job = os.environ.get(rt_api.ENV_JOB_ID, "")

@@ -12,7 +12,7 @@ are skipped when persistence falls behind):
    listing its files with their checksums (computed while writing: no read-back);
 3. the committer (whoever persists rank 0) waits for every rank's ``.done``, merges
    the per-rank DCP metadata into one global ``.metadata`` (keys are disjoint: rank 0
-   holds the replicated state, rank r its ``per_rank.<r>``), writes the manifest and
+   holds the replicated state, rank r its ``per_rank.<r>`` and ``per_shard.<id>``), writes the manifest and
    renames the directory to ``step_<N>`` — plain ``dcp.load`` reads it.
 
 Failures (disk full, a torn slot) are events; the memory tier keeps serving.
@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint import state as state_mod
-from trainguard.checkpoint.api import DCP_METADATA, PER_RANK_KEY
+from trainguard.checkpoint.api import DCP_METADATA
 
 log = logging.getLogger("trainguard.persister")
 DONE = ".done"
@@ -197,7 +197,7 @@ def merge_and_commit(tmp: Path, root: Path, step: int, generation: int, world_si
     """Merge every ``rank_<r>/.metadata`` into ``tmp/.metadata`` and commit the step.
 
     Plain keys are disjoint across parts (rank 0 holds the replicated state, rank r its
-    ``per_rank.<r>``). A sharded entry becomes one chunk (its global offset, its size) of the
+    ``per_rank.<r>`` and its ``per_shard.<id>``). A sharded entry becomes one chunk (its global offset, its size) of the
     global tensor it belongs to, as ``dcp.save`` would have described it; empty chunks
     (FSDP's last ranks of a short dimension) are left out unless the tensor is empty."""
     merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
@@ -456,13 +456,12 @@ class Persister:
                     k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]
                 }
                 if rank != 0:  # DCP semantics: replicated state is persisted once, from rank 0
-                    mine = f"{PER_RANK_KEY}.{rank}"
-
-                    def own(k: str) -> bool:
-                        return k == mine or k.startswith(mine + ".")
-
-                    tensors = {k: v for k, v in tensors.items() if own(k) or k in shards}
-                    objects = {k: v for k, v in objects.items() if own(k)}
+                    tensors = {
+                        k: v
+                        for k, v in tensors.items()
+                        if state_mod.own_key(k, rank) or k in shards
+                    }
+                    objects = {k: v for k, v in objects.items() if state_mod.own_key(k, rank)}
                 t0 = time.time()
                 part = storage.tmp_dir(self.root, step, gen) / f"rank_{rank}"
                 try:

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainguard.checkpoint.api import PER_RANK_KEY, CheckpointError
+from trainguard.checkpoint.api import PER_RANK_KEY, PER_SHARD_KEY, CheckpointError
 
 try:  # DTensor is part of torch.distributed; absent on builds without it
     from torch.distributed.tensor import DTensor
@@ -88,11 +88,28 @@ class Flat:
 
 
 def with_rank_key(state: dict[str, Any], rank: int) -> dict[str, Any]:
-    """``state`` with ``state["per_rank"]`` moved to ``"per_rank.<rank>"`` (a key of its own)."""
-    flat = {k: v for k, v in state.items() if k != PER_RANK_KEY}
+    """``state`` with ``state["per_rank"]`` moved to ``"per_rank.<rank>"`` and each entry of
+    ``state["per_shard"]`` to ``"per_shard.<shard id>"`` (keys of their own). Raises
+    CheckpointError when ``per_shard`` is not a dict or a shard id holds a ``.``."""
+    flat = {k: v for k, v in state.items() if k not in (PER_RANK_KEY, PER_SHARD_KEY)}
     if PER_RANK_KEY in state:
         flat[f"{PER_RANK_KEY}.{rank}"] = state[PER_RANK_KEY]
+    shards = state.get(PER_SHARD_KEY, {})
+    if not isinstance(shards, dict) or any("." in str(s) for s in shards):
+        raise CheckpointError(
+            f'state["{PER_SHARD_KEY}"] must be a dict of shard id (an int, or a str without ".") '
+            "to that shard's state, e.g. {shard: sampler.state_dict()}"
+        )
+    for shard, value in shards.items():
+        flat[f"{PER_SHARD_KEY}.{shard}"] = value
     return flat
+
+
+def own_key(key: str, rank: int) -> bool:
+    """A key only ``rank`` holds: its ``per_rank`` state or a shard it runs (``per_shard``).
+    Every other key is replicated (or a DTensor shard) and persisted from rank 0 (DCP's rule)."""
+    mine = f"{PER_RANK_KEY}.{rank}"
+    return key == mine or key.startswith((mine + ".", PER_SHARD_KEY + "."))
 
 
 def converted(state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -351,13 +368,22 @@ def replace_overlapping(conv: dict[str, Any]) -> list[str]:
 
 def apply(state: dict[str, Any], conv: dict[str, Any], rank: int) -> None:
     """Hand the restored ``conv`` back to ``state``: ``load_state_dict`` for a ``Stateful``,
-    in place for ``per_rank``, replacement for anything else."""
+    in place for ``per_rank`` and each ``per_shard`` entry, replacement for anything else."""
     for key, value in state.items():
         if isinstance(value, Stateful):
             value.load_state_dict(conv[key])
         elif key == PER_RANK_KEY:
             if f"{PER_RANK_KEY}.{rank}" in conv:  # absent: a rank new to the world starts fresh
                 value.update(conv[f"{PER_RANK_KEY}.{rank}"])
+        elif key == PER_SHARD_KEY:
+            for shard, mine in value.items():
+                got = conv.get(f"{PER_SHARD_KEY}.{shard}")
+                if got is None:
+                    continue  # a shard no checkpoint has yet: it starts fresh
+                if isinstance(mine, dict) and isinstance(got, dict):
+                    mine.update(got)
+                else:
+                    value[shard] = got
         else:
             state[key] = conv[key]
 
