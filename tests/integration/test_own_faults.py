@@ -8,16 +8,22 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.conftest import (
+    FAST_CONFIG,
+    GPT,
+    ROOT,
     TINY,
     events,
     losses,
@@ -277,3 +283,96 @@ def _check_rerun(run: Path, reference: dict[int, float]) -> None:
 
 def _tg() -> list[str]:
     return [sys.executable, "-m", "trainguard"]
+
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+@pytest.fixture
+def slow_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A real slow disk: an ext4 file system on a loop device whose writes are throttled to
+    64 KiB/s for the processes of a blkio cgroup (v1). Yields (mount point, cgroup dir)."""
+    tools = [shutil.which(t) for t in ("losetup", "mkfs.ext4", "mount", "umount")]
+    if os.geteuid() != 0 or None in tools or not (BLKIO / "cgroup.procs").exists():
+        pytest.skip("needs root, losetup, mkfs.ext4 and the cgroup v1 blkio controller")
+    image, mnt = tmp_path / "disk.img", tmp_path / "disk"
+    with open(image, "wb") as f:
+        f.truncate(128 << 20)
+    loop = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    cg = BLKIO / f"trainguard-test-{os.getpid()}-{_job(tmp_path)}"
+    try:
+        subprocess.run(["mkfs.ext4", "-q", loop], check=True, timeout=60)
+        mnt.mkdir()
+        subprocess.run(["mount", loop, str(mnt)], check=True, timeout=60)
+        cg.mkdir()
+        dev = os.stat(loop).st_rdev
+        (cg / "blkio.throttle.write_bps_device").write_text(
+            f"{os.major(dev)}:{os.minor(dev)} {64 << 10}\n"
+        )
+        yield mnt, cg
+    finally:
+        if cg.exists():
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
+        subprocess.run(["losetup", "-d", loop], capture_output=True, timeout=60)
+
+
+def test_a_slow_disk_is_back_pressure_not_a_hang(
+    tmp_path: Path, slow_disk: tuple[Path, Path], reference: dict[int, float]
+) -> None:
+    mnt, cg = slow_disk
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = tmp_path / "slow.toml"
+    cfg.write_text(FAST_CONFIG + f'checkpoint_dir = "{mnt / "checkpoints"}"\n')
+    # Every step snapshotted, every 40th persisted through a disk far slower than the steps
+    # (a step's ~0.4 MB take seconds): at step 80 both slots of a rank wait on the disk, the
+    # next snapshots are skipped (at most max_skipped = 4 in a row), then a save waits for a
+    # slot, inside trainguard, past the 3 s hang timeout, which must not fire on a rank that
+    # waits on trainguard's own disk.
+    args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "40"]
+    cmd = [
+        *_tg(), "run", "--run-dir", str(run), "--config", str(cfg), "--nodes", "2",
+        "--hang-timeout", "3", str(GPT), *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(  # the whole job in the throttled cgroup: its writes are slow
+        ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", *cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        _finish(proc, timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert losses(run) == reference
+    evs = events(run)
+    assert not [e for e in evs if e["kind"] == "fault"], [e for e in evs if e["kind"] == "fault"]
+    skipped = [e for e in evs if e["kind"] == "ckpt_skipped"]
+    assert skipped and max(e["skipped_in_a_row"] for e in skipped) <= 4, skipped
+    rep = json.loads(
+        subprocess.run(
+            [*_tg(), "report", "--run-dir", str(run), "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout
+    )  # fmt: skip
+    assert rep["snapshots_skipped"] == len(skipped) and rep["max_skipped_in_a_row"] <= 4
+    text = subprocess.run(
+        [*_tg(), "report", "--run-dir", str(run)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "back-pressure" in text, text
+    db = sqlite3.connect(run / "job.sqlite")
+    (longest,) = db.execute("SELECT MAX(duration_s) FROM steps").fetchone()
+    db.close()
+    assert longest > 3.0  # a step waited on the disk for longer than the hang timeout
+    durable = sorted(
+        int(d.name.removeprefix("step_")) for d in (mnt / "checkpoints").glob("step_*")
+    )
+    assert durable and durable[-1] == STEPS  # the last step reached the slow disk
