@@ -230,9 +230,58 @@ def test_ckptd_sigkill_during_persistence(
     assert _load(tmp_path, shm, (1, 0), "4") == {"step": 1, "bytes_ok": True, "pos": 10}
     d2 = _start_ckptd(tmp_path, shm)  # a restarted ckptd re-adopts the verified memory copies
     try:
-        # step 2 never became durable, but its verified snapshot outlived both processes
+        # step 2's verified snapshot outlived both processes; the new ckptd finishes what the
+        # old one was doing: it persists the durable-flagged snapshot again and commits it
         assert _status()["memory"]["0"] == [[2, 0]]
         assert _load(tmp_path, shm, (2, 0), "100") == {"step": 2, "bytes_ok": True, "pos": 20}
+        root = tmp_path / "checkpoints"
+        wait_for(lambda: 2 in storage.list_committed(root), 120, "step 2 to become durable")
+        assert storage.verify(root, 2) == []
+    finally:
+        c = CkptdClient(socket_name(JOB, NODE))
+        c.call({"op": "shutdown", "unlink": True})
+        c.close()
+        d2.wait(timeout=60)
+
+
+def test_a_snapshot_staged_but_never_verified_is_adopted_and_persisted(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    """ckptd frozen, then SIGKILLed, right after a worker staged a durable snapshot: no
+    checksum, no part written. The worker dies too. A new ckptd verifies and persists it."""
+    root = tmp_path / "checkpoints"
+    p = _worker(
+        tmp_path, shm, "save", "--first", "1", "--last", "2", "--size-mb", "4", "--stepwise"
+    )
+    try:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+        wait_for(lambda: 1 in storage.list_committed(root), 60, "step 1 to become durable")
+        ckptd.send_signal(signal.SIGSTOP)
+        p.stdin.write("\n")  # step 2 is staged; telling the frozen ckptd blocks the worker
+        p.stdin.flush()
+
+        def staged() -> bool:
+            heads = [snapshot.peek_header(s) for s in snapshot.slot_paths(shm, JOB, NODE, 0)]
+            return any(h is not None and h["step"] == 2 for h in heads)
+
+        wait_for(staged, 60, "step 2 staged")
+        ckptd.send_signal(signal.SIGKILL)
+        ckptd.wait(timeout=10)
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    assert storage.list_committed(root) == [1]
+    d2 = _start_ckptd(tmp_path, shm)
+    try:
+        wait_for(lambda: 2 in storage.list_committed(root), 120, "step 2 to become durable")
+        assert storage.verify(root, 2) == []
+        adopted = [e for e in _status()["events"] if e["kind"] == "ckptd_adopted"]
+        assert adopted and any(
+            n.startswith(f"trainguard-{JOB}-{NODE}-r0-s") for n in adopted[0].get("queued", [])
+        ), adopted
+        assert _load(tmp_path, shm, (2, 0), "4") == {"step": 2, "bytes_ok": True, "pos": 20}
     finally:
         c = CkptdClient(socket_name(JOB, NODE))
         c.call({"op": "shutdown", "unlink": True})

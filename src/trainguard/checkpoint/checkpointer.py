@@ -24,6 +24,7 @@ import fcntl
 import gc
 import hashlib
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -536,7 +537,10 @@ class Checkpointer:
                 planner=state_mod.TypedSavePlanner(),
             )
             if _rank_world()[0] == 0:
-                storage.commit(tmp, self.root, step, generation=self._rt.generation)
+                try:
+                    storage.commit(tmp, self.root, step, generation=self._rt.generation)
+                except FileExistsError:  # a verified copy of this step is there: keep it
+                    shutil.rmtree(tmp, ignore_errors=True)
                 storage.prune(
                     self.root, self.keep, committed_step=step, generation=self._rt.generation
                 )

@@ -98,9 +98,14 @@ class Ckptd:
         self.sock.bind(_address(socket_name(job, node)))
         self.sock.listen(64)
         self.sock.settimeout(0.2)
+        adopted: dict[str, list[str]] = {}
         for path in sorted(shm_dir.glob(f"trainguard-{job}-{node}-r*-s[01]")):
             rank = int(path.name.rsplit("-r", 1)[1].split("-")[0])
-            self.persister.adopt(rank, path)
+            what = self.persister.adopt(rank, path)
+            if what is not None:
+                adopted.setdefault(what, []).append(path.name)
+        if adopted:  # a restarted ckptd: what the old one left, and what became of it
+            self._emit("ckptd_adopted", **adopted)
 
     def _emit(self, kind: str, **data: Any) -> None:
         with self._lock:

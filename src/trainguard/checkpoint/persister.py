@@ -321,19 +321,40 @@ class Persister:
                     self._verified.get(rank, {}).pop(path, None)
         return {r: sorted(v) for r, v in out.items()}
 
-    def adopt(self, rank: int, slot: Path) -> None:
-        """Index an existing slot (after a ckptd restart) if it is complete and verifies."""
+    def adopt(self, rank: int, slot: Path) -> str | None:
+        """Take over an existing slot after a ckptd restart, whatever state the old ckptd
+        left it in. Returns what was done: "indexed" (verified before, checksums still
+        match), "queued" (its work was not done: a snapshot staged but never verified, or a
+        durable one not yet persisted, goes through the persister again, so its step still
+        becomes durable and its slot reusable), "dropped" (it fails the checksums it was
+        verified with: out of the index, never restored), or None (empty or torn: the writer
+        overwrites it)."""
         h = snapshot.peek_header(slot)
         if h is None:
-            return
-        sums = snapshot.read_sums(slot, h["step"], h["generation"])
+            return None
+        step, gen, durable = int(h["step"]), int(h["generation"]), bool(h.get("durable"))
+        try:
+            meta = json.loads(snapshot.sums_path(slot).read_text())
+        except (OSError, ValueError):
+            meta = {}
+        sums = snapshot.read_sums(slot, step, gen)
+        if sums is None:  # staged, never verified: verify (and persist) it now
+            self.staged(rank, slot, step, gen, durable)
+            return "queued"
         s = snapshot.Slot(slot, writable=False)
         try:
-            if sums is not None and s.checksums(h) == sums:
-                with self._cv:
-                    self._verified.setdefault(rank, {})[str(slot)] = (h["step"], h["generation"])
+            ok = s.checksums(h) == sums
         finally:
             s.close()
+        if not ok:
+            snapshot.sums_path(slot).unlink(missing_ok=True)
+            return "dropped"
+        with self._cv:
+            self._verified.setdefault(rank, {})[str(slot)] = (step, gen)
+        if durable and not meta.get("persisted"):  # verified, its part not written yet
+            self.staged(rank, slot, step, gen, True)
+            return "queued"
+        return "indexed"
 
     def persist_held(self, step: int, generation: int) -> list[int]:
         """Queue every rank's verified copy of (``step``, ``generation``) held here for the

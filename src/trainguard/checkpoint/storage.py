@@ -90,8 +90,9 @@ def commit(
     """Write the manifest (``files``, or checksums of everything in ``tmp``), fsync, and
     atomically publish ``tmp`` as ``step_<step>``. Returns the final path.
 
-    Raises FileExistsError if the step is already committed by this generation and verifies
-    (that copy is kept); a copy of another generation, or a corrupt one, is replaced.
+    Raises FileExistsError if the step is already committed by this generation or a newer one
+    and verifies (that copy is kept); a copy of an older generation, or a corrupt one, is
+    replaced.
     """
     if files is None:
         files = file_sums(tmp)
@@ -104,7 +105,9 @@ def commit(
     _fsync_dir(tmp)
     final = step_dir(root, step)
     if final.exists():
-        if committed_generation(root, step) == generation and not verify(root, step):
+        if committed_generation(root, step) >= generation and not verify(root, step):
+            # this generation's copy, or a newer generation's (a late part of an abandoned
+            # timeline, e.g. re-persisted by a restarted ckptd, never replaces the newer one)
             raise FileExistsError(f"checkpoint step {step} already committed at {final}")
         # A copy of another generation (a run that resumed from before it: its timeline was
         # abandoned) or one that fails verification: the new, complete copy replaces it. The
