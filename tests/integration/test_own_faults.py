@@ -376,3 +376,30 @@ def test_a_slow_disk_is_back_pressure_not_a_hang(
         int(d.name.removeprefix("step_")) for d in (mnt / "checkpoints").glob("step_*")
     )
     assert durable and durable[-1] == STEPS  # the last step reached the slow disk
+
+
+def test_a_frozen_controller_blames_no_node(tmp_path: Path, reference: dict[int, float]) -> None:
+    """SIGSTOP of ``trainguard run`` (controller and launcher) for twice the node timeout:
+    the agents fence their workers; woken up, the controller holds only stale reports and
+    must not call the nodes lost (nor replace one by the standby) before they report again."""
+    run = tmp_path / "run"
+    proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS)
+    try:
+        wait_for(lambda: reached_step(run, 25), 120, "step 25")
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(6.0)  # node_timeout_s = 3: the agents stop their workers meanwhile
+        os.kill(proc.pid, signal.SIGCONT)
+        _finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.communicate()
+    assert losses(run) == reference
+    evs = events(run)
+    assert [e for e in evs if e["kind"] == "controller_paused"]
+    assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
+    faults = {e["cause"] for e in evs if e["kind"] in ("fault", "fault_refined")}
+    assert faults <= {"node_fenced"}, faults
+    nodes = {e["node"] for e in evs if e["kind"] == "worker_started"}
+    assert nodes == {"node0", "node1"}  # the standby was never needed

@@ -107,6 +107,8 @@ class Controller:
         else:
             self.state = JobState(phase_since=time.time())
         self._resume_until = time.time() + cfg.node_timeout_s if resume is not None else 0.0
+        self._back_since = 0.0  # reports older than this are stale (a freeze of this process)
+        self._last_tick = time.monotonic()
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(time.time() * 1000)
         self.obs: dict[str, NodeObs] = {}
@@ -498,6 +500,15 @@ class Controller:
             Phase.REPLACING,
             Phase.WAITING_FOR_NODES,
         )
+        mono = time.monotonic()
+        gap, self._last_tick = mono - self._last_tick, mono
+        if gap > max(2.0, self.cfg.node_timeout_s / 2):
+            # This process was frozen (SIGSTOP, a stalled VM, swapping): every report it holds
+            # is old, so no node is lost by its clock until each has reported again.
+            self._back_since = time.time()
+            self._resume_until = self._back_since + self.cfg.node_timeout_s
+            self.store.record("controller_paused", {"gap_s": round(gap, 2)})
+            log.warning("controller was frozen for %.1fs: waiting for fresh reports", gap)
         if self._resume_until:
             if time.time() < self._resume_until and not self._all_back():
                 return  # after a controller restart: let every node report before deciding
@@ -636,8 +647,9 @@ class Controller:
         self._persist_and_publish()
 
     def _all_back(self) -> bool:
+        """Every node of the job reported since the controller (re)started or woke up."""
         want = {n for n, p in self.state.pools.items() if p in (Pool.RUNNING, Pool.STANDBY)}
-        return want <= set(self.obs)
+        return all(n in self.obs and self.obs[n].last_seen >= self._back_since for n in want)
 
     def _publish(self) -> None:
         changed = False
