@@ -403,3 +403,87 @@ def test_a_frozen_controller_blames_no_node(tmp_path: Path, reference: dict[int,
     assert faults <= {"node_fenced"}, faults
     nodes = {e["node"] for e in evs if e["kind"] == "worker_started"}
     assert nodes == {"node0", "node1"}  # the standby was never needed
+
+
+def test_agents_cut_off_past_their_bound_free_their_memory_and_exit_then_the_job_resumes(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """The controller frozen (SIGSTOP) for longer than the agents' --give-up-after: each agent
+    stops its workers, frees its memory slots and exits 3 with the reason, in bounded time.
+    Woken up, the controller waits for nodes; agents started again resume the job from the
+    durable tier with the fault-free losses."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(FAST_CONFIG)
+    ctl = subprocess.Popen(
+        [*_tg(), "controller", "--bind", "127.0.0.1:0", "--run-dir", str(run), "--config",
+         str(cfg), "--nodes", "2", str(GPT), *ARGS],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    agents: list[subprocess.Popen[str]] = []
+
+    def start_agents() -> None:
+        addr = wait_for(lambda: _addr(run), 60, "the controller to listen")
+        for i in range(2):
+            agents.append(
+                subprocess.Popen(
+                    [
+                        *_tg(),
+                        "agent",
+                        "--controller",
+                        addr,
+                        "--token-file",
+                        str(run / "token"),
+                        "--node-id",
+                        f"node{i}",
+                        "--addr",
+                        f"127.0.0.{i + 2}",
+                        "--run-dir",
+                        str(run),
+                        "--give-up-after",
+                        "8",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=ROOT,
+                )  # fmt: skip
+            )
+
+    try:
+        start_agents()
+        wait_for(lambda: reached_step(run, 25), 120, "step 25")
+        ctl.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        errs = [a.communicate(timeout=60)[1] for a in agents]
+        waited = time.monotonic() - t0
+        assert [a.returncode for a in agents] == [3, 3], errs
+        assert all("no contact with controller" in e for e in errs), errs
+        assert 8 <= waited < 40, waited
+        left = list(Path("/dev/shm").glob(f"trainguard-{_job(run)}-*"))
+        assert not left, left  # the memory slots were freed
+        ctl.send_signal(signal.SIGCONT)
+        agents.clear()
+        start_agents()  # the nodes come back (an operator, systemd): the job goes on
+        _, err = ctl.communicate(timeout=300)
+        assert ctl.returncode == 0, err[-3000:]
+        for a in agents:
+            a.wait(timeout=60)
+    finally:
+        for p in [ctl, *agents]:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.communicate()
+    assert losses(run) == reference
+    evs = events(run)
+    assert {e["cause"] for e in evs if e["kind"] == "fault"} <= {"node_lost", "node_fenced"}
+
+
+def _addr(run: Path) -> str | None:
+    try:
+        return str(json.loads((run / "controller.json").read_text())["addr"])
+    except (OSError, ValueError, KeyError):
+        return None
