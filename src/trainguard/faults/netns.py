@@ -26,7 +26,9 @@ class Hosts:
         tag = f"{os.getpid() % 100000}{random.randrange(100)}"
         self.names = [f"tgh{tag}n{i}" for i in range(n)]
         self.bridge = f"tgb{tag}"
-        sub = random.randrange(1, 250)
+        taken = _ip("-o", "addr", check=False).stdout  # parallel runs: a subnet of our own
+        free = [s for s in range(1, 250) if f" 10.213.{s}." not in taken]
+        sub = random.choice(free or [random.randrange(1, 250)])
         self.prefix = f"10.213.{sub}"
         self.gateway = f"{self.prefix}.1"
         self.addrs = [f"{self.prefix}.{i + 2}" for i in range(n)]
