@@ -189,3 +189,16 @@ def report(run_dir: Path) -> dict[str, Any]:
         check=True,
     )
     return json.loads(out.stdout)
+
+
+def agent_pid(run_dir: Path, node_id: str) -> int:
+    """The pid of the agent of ``node_id`` of the job in ``run_dir`` (waits up to 30 s)."""
+
+    def find() -> int | None:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "agent" in cmd and node_id in cmd and str(run_dir) in cmd:
+                return p.pid
+        return None
+
+    return int(wait_for(find, 30, f"agent {node_id}"))

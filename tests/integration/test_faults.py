@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import (
     TINY,
+    agent_pid,
     events,
     losses,
     reached_step,
@@ -36,17 +37,6 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, s
         _, err = proc.communicate()
         raise AssertionError(f"job did not finish in {timeout}s:\n{err[-3000:]}") from None
     return proc.returncode, err
-
-
-def _agent_pid(run_dir: Path, node_id: str) -> int:
-    def find() -> int | None:
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = p.info["cmdline"] or []
-            if "agent" in cmd and node_id in cmd and str(run_dir) in cmd:
-                return p.pid
-        return None
-
-    return int(wait_for(find, 30, f"agent {node_id}"))
 
 
 def test_sigkill_of_a_worker(tmp_path: Path) -> None:
@@ -91,7 +81,7 @@ def test_sigkill_of_an_agent_is_a_lost_node_replaced_by_standby(tmp_path: Path) 
     proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS)
     worker_pid(run, rank=1)
     wait_for(lambda: reached_step(run, 25), 90, "step 25")
-    os.kill(_agent_pid(run, "node1"), signal.SIGKILL)
+    os.kill(agent_pid(run, "node1"), signal.SIGKILL)
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     rep = report(run)

@@ -12,7 +12,6 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +24,14 @@ from tests.conftest import (
     GPT,
     ROOT,
     TINY,
+    agent_pid,
     events,
     losses,
     reached_step,
+    report,
     run_job,
     start_job,
+    trainguard_cmd,
     wait_for,
 )
 from trainguard.checkpoint import snapshot
@@ -105,17 +107,6 @@ def _flip_snapshot(path: Path) -> tuple[int, int]:
     return int(h["step"]), int(h["generation"])
 
 
-def _agent_pid(run_dir: Path, node_id: str) -> int:
-    def find() -> int | None:
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = p.info["cmdline"] or []
-            if "agent" in cmd and node_id in cmd and str(run_dir) in cmd:
-                return p.pid
-        return None
-
-    return int(wait_for(find, 30, f"agent {node_id}"))
-
-
 def _finish(proc: subprocess.Popen[str], timeout: float = 300.0) -> str:
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -167,7 +158,7 @@ def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
         bad_disk = ckpts[-1]
         part = next((run / "checkpoints" / f"step_{bad_disk}").rglob("*.distcp"))
         _flip(part, part.stat().st_size // 2)
-        os.kill(_agent_pid(run, "node1"), signal.SIGKILL)
+        os.kill(agent_pid(run, "node1"), signal.SIGKILL)
         for pid in pids.values():  # node0's worker resumes and sees its peer gone
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
@@ -215,6 +206,7 @@ def _kill_everything(run_dir: Path, proc: subprocess.Popen[str]) -> None:
     psutil.wait_procs(victims, timeout=30)
 
 
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_a_rerun_of_a_run_dir_killed_whole_never_mixes_the_two_runs(
     tmp_path: Path, reference: dict[int, float]
 ) -> None:
@@ -262,27 +254,15 @@ def _check_rerun(run: Path, reference: dict[int, float]) -> None:
     assert new[0]["restore_step"] >= newest  # nothing committed was lost
     assert not list(ckpts.glob(".tmp-*")) and not list(ckpts.glob(".replaced-*"))
     verify = subprocess.run(
-        [*_tg(), "ckpt", "verify", "--run-dir", str(run), "--json"],
+        [*trainguard_cmd(), "ckpt", "verify", "--run-dir", str(run), "--json"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert verify.returncode == 0, verify.stdout
-    rep = json.loads(
-        subprocess.run(
-            [*_tg(), "report", "--run-dir", str(run), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
-    )
+    rep = report(run)
     assert rep["phase"] == "SUCCEEDED" and rep["incarnation"] == 1 and rep["earlier_runs"] == 1
     assert rep["generations"] == len(new)
-
-
-def _tg() -> list[str]:
-    return [sys.executable, "-m", "trainguard"]
 
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
@@ -320,6 +300,7 @@ def slow_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         subprocess.run(["losetup", "-d", loop], capture_output=True, timeout=60)
 
 
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_a_slow_disk_is_back_pressure_not_a_hang(
     tmp_path: Path, slow_disk: tuple[Path, Path], reference: dict[int, float]
 ) -> None:
@@ -335,7 +316,7 @@ def test_a_slow_disk_is_back_pressure_not_a_hang(
     # waits on trainguard's own disk.
     args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "40"]
     cmd = [
-        *_tg(), "run", "--run-dir", str(run), "--config", str(cfg), "--nodes", "2",
+        *trainguard_cmd(), "run", "--run-dir", str(run), "--config", str(cfg), "--nodes", "2",
         "--hang-timeout", "3", str(GPT), *args,
     ]  # fmt: skip
     proc = subprocess.Popen(  # the whole job in the throttled cgroup: its writes are slow
@@ -356,15 +337,10 @@ def test_a_slow_disk_is_back_pressure_not_a_hang(
     assert not [e for e in evs if e["kind"] == "fault"], [e for e in evs if e["kind"] == "fault"]
     skipped = [e for e in evs if e["kind"] == "ckpt_skipped"]
     assert skipped and max(e["skipped_in_a_row"] for e in skipped) <= 4, skipped
-    rep = json.loads(
-        subprocess.run(
-            [*_tg(), "report", "--run-dir", str(run), "--json"],
-            capture_output=True, text=True, timeout=60, check=True,
-        ).stdout
-    )  # fmt: skip
+    rep = report(run)
     assert rep["snapshots_skipped"] == len(skipped) and rep["max_skipped_in_a_row"] <= 4
     text = subprocess.run(
-        [*_tg(), "report", "--run-dir", str(run)],
+        [*trainguard_cmd(), "report", "--run-dir", str(run)],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "back-pressure" in text, text
@@ -378,47 +354,23 @@ def test_a_slow_disk_is_back_pressure_not_a_hang(
     assert durable and durable[-1] == STEPS  # the last step reached the slow disk
 
 
-def test_a_frozen_controller_blames_no_node(tmp_path: Path, reference: dict[int, float]) -> None:
-    """SIGSTOP of ``trainguard run`` (controller and launcher) for twice the node timeout:
-    the agents fence their workers; woken up, the controller holds only stale reports and
-    must not call the nodes lost (nor replace one by the standby) before they report again."""
-    run = tmp_path / "run"
-    proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS)
-    try:
-        wait_for(lambda: reached_step(run, 25), 120, "step 25")
-        os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(6.0)  # node_timeout_s = 3: the agents stop their workers meanwhile
-        os.kill(proc.pid, signal.SIGCONT)
-        _finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.communicate()
-    assert losses(run) == reference
-    evs = events(run)
-    assert [e for e in evs if e["kind"] == "controller_paused"]
-    assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
-    faults = {e["cause"] for e in evs if e["kind"] in ("fault", "fault_refined")}
-    assert faults <= {"node_fenced"}, faults
-    nodes = {e["node"] for e in evs if e["kind"] == "worker_started"}
-    assert nodes == {"node0", "node1"}  # the standby was never needed
-
-
-def test_agents_cut_off_past_their_bound_free_their_memory_and_exit_then_the_job_resumes(
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
+def test_a_frozen_controller_blames_no_node_and_agents_cut_off_past_their_bound_exit(
     tmp_path: Path, reference: dict[int, float]
 ) -> None:
-    """The controller frozen (SIGSTOP) for longer than the agents' --give-up-after: each agent
-    stops its workers, frees its memory slots and exits 3 with the reason, in bounded time.
-    Woken up, the controller waits for nodes; agents started again resume the job from the
-    durable tier with the fault-free losses."""
+    """``trainguard controller`` frozen (SIGSTOP) twice. For twice the node timeout: the
+    agents fence their workers; woken up, the controller holds only stale reports and must
+    not call a node lost (nor mark one faulty) before it reports again. Then for longer than
+    the agents' --give-up-after: each agent stops its workers, frees its memory slots and
+    exits 3 with the reason, in bounded time; woken up, the controller waits for nodes, and
+    agents started again resume the job from the durable tier. The fault-free losses."""
     run = tmp_path / "run"
     run.mkdir()
     cfg = tmp_path / "job.toml"
     cfg.write_text(FAST_CONFIG)
     ctl = subprocess.Popen(
-        [*_tg(), "controller", "--bind", "127.0.0.1:0", "--run-dir", str(run), "--config",
-         str(cfg), "--nodes", "2", str(GPT), *ARGS],
+        [*trainguard_cmd(), "controller", "--bind", "127.0.0.1:0", "--run-dir", str(run),
+         "--config", str(cfg), "--nodes", "2", str(GPT), *ARGS],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
     agents: list[subprocess.Popen[str]] = []
@@ -429,7 +381,7 @@ def test_agents_cut_off_past_their_bound_free_their_memory_and_exit_then_the_job
             agents.append(
                 subprocess.Popen(
                     [
-                        *_tg(),
+                        *trainguard_cmd(),
                         "agent",
                         "--controller",
                         addr,
@@ -454,6 +406,17 @@ def test_agents_cut_off_past_their_bound_free_their_memory_and_exit_then_the_job
     try:
         start_agents()
         wait_for(lambda: reached_step(run, 25), 120, "step 25")
+        ctl.send_signal(signal.SIGSTOP)
+        time.sleep(6.0)  # node_timeout_s = 3: the agents stop their workers meanwhile
+        ctl.send_signal(signal.SIGCONT)
+        wait_for(lambda: _generation(run) >= 1, 60, "the restart after the fencing")
+        gen = _generation(run)
+        wait_for(lambda: len(_workers(run, gen)) == 2 and reached_step(run, 50), 120, "step 50")
+        first = events(run)
+        assert [e for e in first if e["kind"] == "controller_paused"]
+        assert not [e for e in first if e["kind"] == "pool_changed" and e["to"] == "faulty"]
+        assert {e["cause"] for e in first if e["kind"] == "fault"} == {"node_fenced"}
+
         ctl.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         errs = [a.communicate(timeout=60)[1] for a in agents]
