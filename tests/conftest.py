@@ -130,6 +130,29 @@ def start_job(
     )
 
 
+def fault_free_losses(
+    tmp_path_factory: pytest.TempPathFactory, run_args: list[str], script_args: list[str]
+) -> dict[int, float]:
+    """Run the example once without faults and return its per-step losses (the reference a
+    faulty run must match, step for step)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    res = run_job(run_dir, run_args, script_args, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return losses(run_dir)
+
+
+def finish_job(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, str]:
+    """Wait for a started job; (exit status, stderr). Killed, and an AssertionError with its
+    stderr's tail, past ``timeout`` seconds."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"job did not finish in {timeout}s:\n{err[-3000:]}") from None
+    return proc.returncode, err
+
+
 def events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     if not path.exists():

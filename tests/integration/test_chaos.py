@@ -130,33 +130,25 @@ class Chaos:
         self._signal(pid, signal.SIGCONT)
         return f"SIGSTOP controller for {secs:.1f}s"
 
-    def corrupt_memory(self) -> str | None:
-        slots = [
+    def _corrupt_snapshot(self, pattern: str) -> str | None:
+        files = [
             p
-            for p in Path("/dev/shm").glob(f"trainguard-{_job(self.run)}-node*-r*-s[01]")
-            if snapshot.peek_header(p) is not None
-        ]
-        if not slots:
-            return None
-        slot = self.rng.choice(slots)
-        with contextlib.suppress(OSError, AssertionError):
-            step, _ = _flip_snapshot(slot)
-            return f"flipped a byte of {slot.name} (step {step})"
-        return None
-
-    def corrupt_replica(self) -> str | None:
-        reps = [
-            p
-            for p in Path("/dev/shm").glob(f"trainguard-{_job(self.run)}-node*-replica-r*")
+            for p in Path("/dev/shm").glob(f"trainguard-{_job(self.run)}-{pattern}")
             if not p.name.endswith((".sum", ".tmp", ".pull")) and snapshot.peek_header(p)
         ]
-        if not reps:
+        if not files:
             return None
-        rep = self.rng.choice(reps)
-        with contextlib.suppress(OSError, AssertionError):
-            step, _ = _flip_snapshot(rep)
-            return f"flipped a byte of {rep.name} (step {step})"
+        target = self.rng.choice(files)
+        with contextlib.suppress(OSError, AssertionError):  # rewritten meanwhile: harmless
+            step, _ = _flip_snapshot(target)
+            return f"flipped a byte of {target.name} (step {step})"
         return None
+
+    def corrupt_memory(self) -> str | None:
+        return self._corrupt_snapshot("node*-r*-s[01]")
+
+    def corrupt_replica(self) -> str | None:
+        return self._corrupt_snapshot("node*-replica-r*")
 
     def corrupt_disk(self) -> str | None:
         root = self.run / "checkpoints"

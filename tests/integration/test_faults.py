@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import psutil
@@ -16,6 +15,7 @@ from tests.conftest import (
     TINY,
     agent_pid,
     events,
+    finish_job,
     losses,
     reached_step,
     report,
@@ -29,23 +29,13 @@ STEPS = 150
 ARGS = [*TINY, "--steps", str(STEPS), "--durable-every", "10"]
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"job did not finish in {timeout}s:\n{err[-3000:]}") from None
-    return proc.returncode, err
-
-
 def test_sigkill_of_a_worker(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = start_job(run, ["--nodes", "2"], ARGS)
     pid = worker_pid(run, rank=1)
     wait_for(lambda: reached_step(run, 25), 90, "step 25")
     os.kill(pid, signal.SIGKILL)
-    code, err = _finish(proc)
+    code, err = finish_job(proc)
     assert code == 0, err[-3000:]
     rep = report(run)
     assert [(f["cause"], f["rank"]) for f in rep["faults"]] == [("worker_crash", 1)]
@@ -59,7 +49,7 @@ def test_sigstop_of_a_worker_is_a_hang(tmp_path: Path) -> None:
     pid = worker_pid(run, rank=1)
     wait_for(lambda: reached_step(run, 25), 90, "step 25")
     os.kill(pid, signal.SIGSTOP)
-    code, err = _finish(proc)
+    code, err = finish_job(proc)
     assert code == 0, err[-3000:]
     rep = report(run)
     assert [(f["cause"], f["rank"]) for f in rep["faults"]] == [("hang", 1)]
@@ -82,7 +72,7 @@ def test_sigkill_of_an_agent_is_a_lost_node_replaced_by_standby(tmp_path: Path) 
     worker_pid(run, rank=1)
     wait_for(lambda: reached_step(run, 25), 90, "step 25")
     os.kill(agent_pid(run, "node1"), signal.SIGKILL)
-    code, err = _finish(proc)
+    code, err = finish_job(proc)
     assert code == 0, err[-3000:]
     rep = report(run)
     assert [(f["cause"], f["node_id"]) for f in rep["faults"]] == [("node_lost", "node1")]
@@ -114,7 +104,7 @@ def test_sigterm_to_run_stops_cleanly_and_a_rerun_resumes(tmp_path: Path) -> Non
     worker_pid(run, rank=1)
     wait_for(lambda: reached_step(run, 25), 90, "step 25")
     proc.send_signal(signal.SIGTERM)
-    code, err = _finish(proc, timeout=60)
+    code, err = finish_job(proc, timeout=60)
     assert code == 128 + signal.SIGTERM, err[-3000:]
     assert "trainguard: job stopped by SIGTERM" in err.strip().splitlines()[-1]
     stopped_at = max(losses(run))

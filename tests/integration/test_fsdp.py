@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import ROOT, TINY, events, losses, run_job
+from tests.conftest import ROOT, TINY, events, fault_free_losses, losses, run_job
 
 FSDP_WORKER = ROOT / "tests" / "helpers" / "fsdp_worker.py"
 STEPS = 24
@@ -24,10 +24,7 @@ ARGS = [*TINY, "--fsdp", "--steps", str(STEPS), "--durable-every", "5", "--dp-ra
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The fault-free run: FSDP2 on 4 ranks (1 node x 4 processes)."""
-    run_dir = tmp_path_factory.mktemp("fsdp") / "clean"
-    res = run_job(run_dir, ["--nodes", "1", "--nproc-per-node", "4"], ARGS, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run_dir)
+    return fault_free_losses(tmp_path_factory, ["--nodes", "1", "--nproc-per-node", "4"], ARGS)
 
 
 def _loads(run_dir: Path, generation: int) -> dict[int, str]:

@@ -24,6 +24,7 @@ from tests.conftest import (
     GPT,
     ROOT,
     TINY,
+    fault_free_losses,
     losses,
     reached_step,
     run_job,
@@ -126,10 +127,7 @@ class Job:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The fault-free run's losses (two nodes on loopback, same model, data and seed)."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    res = run_job(run_dir, ["--nodes", "2"], ARGS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run_dir)
+    return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
 
 
 @pytest.fixture

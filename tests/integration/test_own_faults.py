@@ -26,6 +26,8 @@ from tests.conftest import (
     TINY,
     agent_pid,
     events,
+    fault_free_losses,
+    finish_job,
     losses,
     reached_step,
     report,
@@ -45,10 +47,7 @@ ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--durable-every", "1
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The fault-free run's losses (two nodes, same model, data and seed)."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    res = run_job(run_dir, ["--nodes", "2"], ARGS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run_dir)
+    return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
 
 
 def _job(run_dir: Path) -> str:
@@ -108,13 +107,8 @@ def _flip_snapshot(path: Path) -> tuple[int, int]:
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 300.0) -> str:
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"job did not finish in {timeout}s:\n{err[-3000:]}") from None
-    assert proc.returncode == 0, err[-3000:]
+    code, err = finish_job(proc, timeout)
+    assert code == 0, err[-3000:]
     return err
 
 
