@@ -29,17 +29,17 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from trainguard import protocol
 from trainguard.agent import outside
 from trainguard.agent import workers as wk
 from trainguard.agent.checks import CheckRunner
+from trainguard.agent.link import ControllerLink, HTTPStatusError, jittered
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
 from trainguard.runtime import api as rt_api
@@ -68,13 +68,6 @@ class AgentConfig:
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
     # Exit (workers stopped, slots released) after this long without controller contact.
     give_up_s: float | None = 600.0
-
-
-def _error_text(e: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(e.read()).get("error", e))
-    except (OSError, ValueError):
-        return str(e)
 
 
 def interface_of(addr: str) -> str | None:
@@ -107,6 +100,7 @@ class Agent:
         self._fenced_generation = -1  # never restart these workers: the job moved on
         self._refused_since: float | None = None  # the controller refuses our node id (409)
         self.cfg = cfg
+        self._link = ControllerLink(cfg.controller, cfg.token)  # kept-alive, per thread
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
         self._lock = threading.Lock()
@@ -726,6 +720,7 @@ class Agent:
             events, self._events = self._events, []
             steps, self._steps = self._steps, {}
         return {
+            "v": protocol.PROTOCOL_VERSION,
             "node_id": self.cfg.node_id,
             "addr": self.cfg.addr,
             "incarnation": self.incarnation,
@@ -751,17 +746,7 @@ class Agent:
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
     ) -> dict[str, Any]:
-        req = urllib.request.Request(
-            f"http://{self.cfg.controller}{path}",
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={
-                "Authorization": f"Bearer {self.cfg.token}",
-                "Content-Type": "application/json",
-            },
-        )
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+        return self._link.request(method, path, body, timeout_s)
 
     def _accept(self, reply: dict[str, Any]) -> None:
         with self._lock:
@@ -775,9 +760,9 @@ class Agent:
         if now - self._last_warned < 10.0:
             return
         self._last_warned = now
-        if isinstance(e, urllib.error.HTTPError) and e.code == 409:
-            log.error("controller %s: %s", self.cfg.controller, _error_text(e))
-        elif isinstance(e, urllib.error.HTTPError) and e.code == 401:
+        if isinstance(e, HTTPStatusError) and e.code in (400, 409):
+            log.error("controller %s: %s", self.cfg.controller, e.text)
+        elif isinstance(e, HTTPStatusError) and e.code == 401:
             log.error(
                 "controller %s rejected our token; pass the job's token file (RUN_DIR/token)",
                 self.cfg.controller,
@@ -792,9 +777,9 @@ class Agent:
             self._accept(self._request("POST", "/v1/report", snap, timeout_s))
             self._refused_since = None
             return True
-        except (OSError, urllib.error.URLError, ValueError) as e:
+        except (OSError, ValueError) as e:
             self._unreachable(e)
-            if isinstance(e, urllib.error.HTTPError) and e.code == 409:
+            if isinstance(e, HTTPStatusError) and e.code == 409:
                 first = self._refused_since = self._refused_since or time.monotonic()
                 if time.monotonic() - first > 30.0:  # not a reboot race: a name clash
                     log.error("giving up: another live agent uses node id %s", self.cfg.node_id)
@@ -820,7 +805,7 @@ class Agent:
                 ok = False
             if ok:
                 self._last_report_ok = time.monotonic()
-            backoff = 0.1 if ok else min(2.0, backoff * 2)
+            backoff = 0.1 if ok else min(2.0, jittered(backoff * 2))
 
     def _poll_loop(self) -> None:
         backoff = 0.1
@@ -834,9 +819,9 @@ class Agent:
                 )
                 self._accept(reply)
                 backoff = 0.1
-            except (OSError, urllib.error.URLError, ValueError):
+            except (OSError, ValueError):
                 time.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
+                backoff = min(2.0, jittered(backoff * 2))
 
 
 def main(cfg: AgentConfig) -> int:

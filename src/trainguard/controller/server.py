@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from trainguard import protocol
 from trainguard.checkpoint import storage
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
@@ -180,7 +181,7 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
-        app = web.Application(middlewares=[self._auth], client_max_size=16 << 20)
+        app = web.Application(middlewares=[self._auth], client_max_size=protocol.MAX_REPORT_BYTES)
         app.add_routes(
             [
                 web.post("/v1/report", self._report),
@@ -232,7 +233,16 @@ class Controller:
         return await handler(request)
 
     async def _report(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        """Take one agent report: validated (400 with the reason when it does not follow the
+        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, answered with the
+        node's desired state. Decisions are not taken here but on the next coalesced tick
+        (at most TICK_S later): a report costs work proportional to itself, not to the job."""
+        try:
+            body = await request.json()
+            protocol.validate_report(body)
+        except ValueError as e:  # bad JSON (json.JSONDecodeError) or a ProtocolError
+            log.warning("refused a malformed report from %s: %s", request.remote, e)
+            return web.json_response({"error": f"malformed report: {e}"}, status=400)
         node_id = str(body["node_id"])
         old = self.obs.get(node_id)
         if (
@@ -250,8 +260,11 @@ class Controller:
                 },
                 status=409,
             )
-        self._ingest(node_id, body)
-        self._tick()
+        try:
+            self._ingest(node_id, body)
+        except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
+            log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
+            return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
         version, desired = self._desired.get(node_id, (0, {"action": "idle"}))
         return web.json_response({"version": version, "desired": desired})
 

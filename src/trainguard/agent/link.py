@@ -1,0 +1,80 @@
+"""The agent's link to its controller: HTTP/1.1 with a kept-alive connection per thread (the
+report thread and the long-poll thread each hold one), and jittered back-off.
+
+One connection per heartbeat would cost the controller a TCP handshake per report; a
+thousand agents retrying in lockstep after a controller restart would arrive as one burst.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import threading
+from typing import Any
+
+
+class HTTPStatusError(OSError):
+    """The controller answered with an error status. ``code``: the HTTP status; ``text``:
+    the reason the controller gave (its ``{"error": ...}``) or the body."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"HTTP {code}: {text}")
+        self.code, self.text = code, text
+
+
+def jittered(seconds: float) -> float:
+    """``seconds`` spread uniformly over ±50% (so retries of many agents do not align)."""
+    return seconds * random.uniform(0.5, 1.5)
+
+
+class ControllerLink:
+    """Requests to the controller at ``HOST:PORT`` with the job token. Thread-safe: each
+    thread uses its own kept-alive connection. ``request`` raises OSError (unreachable,
+    timed out, connection dropped), HTTPStatusError (an error status) or ValueError (a
+    reply that is not JSON)."""
+
+    def __init__(self, controller: str, token: str) -> None:
+        host, _, port = controller.rpartition(":")
+        self.host, self.port = host or controller, int(port or 80)
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self._local = threading.local()
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+    ) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in (0, 1):
+            conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+            reused = conn is not None
+            if conn is None:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+                self._local.conn = conn
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            try:
+                conn.request(method, path, body=data, headers=self._headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                self._local.conn = None
+                # A kept-alive connection the server closed meanwhile: one fresh attempt.
+                if reused and attempt == 0 and not isinstance(e, TimeoutError):
+                    continue
+                raise OSError(f"{type(e).__name__}: {e}") from e
+            if resp.status >= 400:
+                try:
+                    text = str(json.loads(raw).get("error", raw[:300]))
+                except (ValueError, AttributeError):
+                    text = raw[:300].decode(errors="replace")
+                raise HTTPStatusError(resp.status, text)
+            return dict(json.loads(raw))
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
