@@ -188,7 +188,8 @@ class Agent:
             rt_api.ENV_GENERATION: str(gen),
             rt_api.ENV_RESTORE_STEP: "" if d["restore_step"] is None else str(d["restore_step"]),
             rt_api.ENV_INJECT: json.dumps(d["injects"]),
-            rt_api.ENV_HEARTBEAT_S: str(d["heartbeat_s"]),
+            # the runtime → agent beat stays local and fast whatever the report period
+            rt_api.ENV_HEARTBEAT_S: str(min(float(d["heartbeat_s"]), rt_api.DEFAULT_HEARTBEAT_S)),
             rt_api.ENV_CKPT_DIR: str(d["ckpt"]["dir"]),
             rt_api.ENV_RESTORE_GEN: "" if d.get("restore_gen") is None else str(d["restore_gen"]),
             rt_api.ENV_CKPTD: ckptd_mod.socket_name(self.job_id, self.cfg.node_id)

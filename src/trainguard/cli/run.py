@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainguard.checkpoint import storage
-from trainguard.controller.api import JobConfig, Phase
+from trainguard.controller.api import JobConfig, Phase, scaled_timing
 from trainguard.controller.jobstate import JobState, state_from_json
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
@@ -148,6 +148,12 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         "preflight": getattr(args, "preflight", None),
     }
     extra.update({k: v for k, v in flags.items() if v is not None})
+    # Timing that scales with the job unless the config sets it (JobConfig docs the rule).
+    heartbeat, node_timeout = scaled_timing(
+        int(extra.get("nodes", 1)) + int(extra.get("standby", 0))
+    )
+    extra.setdefault("heartbeat_s", heartbeat)
+    extra.setdefault("node_timeout_s", max(node_timeout, 2.5 * float(extra["heartbeat_s"])))
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
     try:
         cfg = JobConfig(

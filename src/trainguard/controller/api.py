@@ -63,6 +63,21 @@ class Pool(enum.StrEnum):
     RETIRED = "retired"
 
 
+REPORTS_PER_S = 1000.0  # the agents' report rate the controller is sized for (see below)
+
+
+def scaled_timing(nodes: int) -> tuple[float, float]:
+    """(heartbeat_s, node_timeout_s) for a job of ``nodes`` agents, used unless the config
+    sets them: the heartbeat keeps the controller's report rate at about ``REPORTS_PER_S``
+    (0.5 s up to 500 nodes, then nodes / 1000 s: 4.1 s at 4,096, 16.4 s at 16,384), and a
+    node is lost after 5 missed heartbeats (at least 10 s). A worker's crash is reported at
+    once whatever the heartbeat (the agent reports an exit immediately); the heartbeat bounds
+    only how fast a silent node (power, network) is found. Measured in
+    ``benchmarks/controller_scale.py``."""
+    heartbeat = max(0.5, nodes / REPORTS_PER_S)
+    return round(heartbeat, 3), round(max(10.0, 5 * heartbeat), 3)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
     """A job's spec. Every field can be set in the ``--config`` TOML file."""

@@ -1,0 +1,282 @@
+"""The real controller under thousands of simulated agents (issue 14).
+
+For each size in ``--nodes`` (default 1024,4096,16384) this starts a real ``trainguard
+controller`` process (its real HTTP server, store and state machine) for a job of that many
+nodes plus one standby, 8 workers per node, and ``--procs`` simulator processes. Each runs
+one asyncio client per simulated node that speaks the real protocol over a kept-alive
+connection: it reports at the job's heartbeat interval (random phase), starts its 8
+workers when the controller says run (steps advancing with each report), acks stops.
+
+Per size it prints:
+- controller CPU (cores, from /proc/PID/stat over ``--measure-s`` of steady training),
+  its resident memory, p50/p99 report latency seen by the agents;
+- a node killed mid-run (its agent stops reporting): the delay from its last heartbeat to
+  the controller's fault decision, and from then to the standby's generation start.
+
+Run: ``python benchmarks/controller_scale.py --nodes 1024`` (``--json`` for the figures).
+Needs no GPU; everything runs on this machine's loopback and is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "gpt" / "train.py"
+NPROC = 8
+
+
+def _sim(
+    addr: str,
+    token: str,
+    nodes: list[int],
+    heartbeat_s: float,
+    kill: Any,
+    killed_at: Any,
+    stop: Any,
+    out: Any,
+) -> None:
+    """One simulator process: an asyncio client per node of ``nodes``."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (65536, 65536))
+    latencies: list[float] = []
+
+    async def node(i: int, session: aiohttp.ClientSession) -> None:
+        nid, inc = f"n{i}", f"inc{i}-{os.getpid()}"
+        gen: int | None = None
+        stopped, step, rank = -1, 0, 0
+        action = "idle"
+        await asyncio.sleep(random.uniform(0, heartbeat_s))
+        while not stop.is_set():
+            if kill.value == i:
+                if killed_at.value == 0.0:
+                    killed_at.value = time.time()
+                return
+            workers = []
+            if action == "run" and gen is not None:
+                step += 1
+                workers = [
+                    {"rank": rank * NPROC + k, "local_rank": k, "pid": 1000 + k,
+                     "state": "running", "step": step, "progress_age_s": 0.1,
+                     "heartbeat_age_s": 0.1, "runtime": True}
+                    for k in range(NPROC)
+                ]  # fmt: skip
+            body = {
+                "v": 1, "node_id": nid, "addr": f"10.0.{i // 250}.{i % 250 + 1}",
+                "incarnation": inc, "generation": gen if action == "run" else None,
+                "workers": workers, "stopped_generation": stopped, "events": [], "steps": [],
+                "memory": {}, "replicas": {}, "time": time.time(),
+                "store": [gen, 29500] if action == "run" and rank == 0 else None,
+            }  # fmt: skip
+            t0 = time.monotonic()
+            try:
+                async with session.post(f"http://{addr}/v1/report", json=body) as resp:
+                    reply = await resp.json()
+                latencies.append(time.monotonic() - t0)
+                d = reply["desired"]
+                action = d.get("action", "idle")
+                if action == "run":
+                    gen, rank = int(d["generation"]), int(d["node_rank"])
+                elif action == "stop":
+                    stopped = int(d["generation"])
+                elif action == "shutdown":
+                    return
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+                await asyncio.sleep(random.uniform(0.5, 1.5))
+                continue
+            await asyncio.sleep(heartbeat_s * random.uniform(0.9, 1.1))
+
+    async def main() -> None:
+        conn = aiohttp.TCPConnector(limit=0)
+        headers = {"Authorization": f"Bearer {token}"}
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=conn, headers=headers, timeout=timeout) as s:
+            await asyncio.gather(*(node(i, s) for i in nodes))
+
+    asyncio.run(main())
+    out.put(latencies)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in (run / "events.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
+    run = tmp / "run"
+    hb = heartbeat_s if heartbeat_s is not None else 0.0
+    cfg = tmp / "job.toml"
+    cfg.write_text('preflight = "off"\n' + (f"heartbeat_s = {hb}\n" if hb else ""))
+    ctl = subprocess.Popen(
+        [sys.executable, "-m", "trainguard", "controller", "--bind", "127.0.0.1:0",
+         "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
+         "--nproc-per-node", str(NPROC), str(SCRIPT)],
+        stdout=subprocess.DEVNULL, stderr=open(tmp / "controller.log", "w"), cwd=ROOT,
+    )  # fmt: skip
+    sims: list[mp.Process] = []
+    stop = mp.Event()
+    try:
+        info = _wait(lambda: (run / "controller.json").exists() and (run / "token").exists(), 60,
+                     "the controller")  # fmt: skip
+        del info
+        addr = json.loads((run / "controller.json").read_text())["addr"]
+        token = (run / "token").read_text().strip()
+        conf = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", "import json,sqlite3,sys;db=sqlite3.connect(sys.argv[1]);"
+                 "print(db.execute(\"select value from kv where key='config'\").fetchone()[0])",
+                 str(run / "job.sqlite")],
+                capture_output=True, text=True, check=True,
+            ).stdout
+        )  # fmt: skip
+        hb_eff, timeout_eff = float(conf["heartbeat_s"]), float(conf["node_timeout_s"])
+        kill, killed_at = mp.Value("i", -1), mp.Value("d", 0.0)
+        out: mp.Queue[list[float]] = mp.Queue()
+        ids = list(range(n + 1))
+        for k in range(procs):
+            p = mp.Process(
+                target=_sim,
+                args=(addr, token, ids[k::procs], hb_eff, kill, killed_at, stop, out),
+                daemon=True,
+            )
+            p.start()
+            sims.append(p)
+
+        def running() -> bool:
+            return any(e["kind"] == "phase" and e["to"] == "RUNNING" for e in _events(run))
+
+        t_join = time.monotonic()
+        _wait(running, 600, f"{n} nodes to join and run")
+        join_s = time.monotonic() - t_join
+        time.sleep(min(5.0, measure_s))  # settle
+        c0, w0 = _cpu_s(ctl.pid), time.monotonic()
+        time.sleep(measure_s)
+        cores = (_cpu_s(ctl.pid) - c0) / (time.monotonic() - w0)
+        rss = _rss_mb(ctl.pid)
+        victim = 7  # a running node (node ranks follow names; n7 is one of the first)
+        kill.value = victim
+        fault = _wait(
+            lambda: next((e for e in _events(run) if e["kind"] == "fault"), None),
+            timeout_eff * 4 + 60, "the fault decision",
+        )  # fmt: skip
+        detect_s = float(fault["t_detected"]) - killed_at.value
+
+        def gen1() -> dict[str, Any] | None:
+            return next(
+                (e for e in _events(run) if e["kind"] == "generation_started"
+                 and e["generation"] == 1), None,
+            )  # fmt: skip
+
+        g1 = _wait(gen1, 300, "the standby's generation")
+        replace_s = float(g1["ts"]) - float(fault["t_detected"])
+        stop.set()
+        lat: list[float] = []
+        for _ in sims:
+            lat += out.get(timeout=120)
+        lat.sort()
+        return {
+            "nodes": n,
+            "workers": n * NPROC,
+            "heartbeat_s": hb_eff,
+            "node_timeout_s": timeout_eff,
+            "join_s": round(join_s, 1),
+            "controller_cores": round(cores, 3),
+            "controller_rss_mb": round(rss, 1),
+            "report_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
+            "report_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1) if lat else None,
+            "reports": len(lat),
+            "fault": fault["cause"],
+            "fault_node": fault["node_id"],
+            "detect_after_last_heartbeat_s": round(detect_s, 2),
+            "replacement_decided_s": round(replace_s, 2),
+            "replaced_by": g1["assignment"] and sorted(set(g1["assignment"]) - {f"n{victim}"})[-1:],
+        }
+    finally:
+        stop.set()
+        for p in sims:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        ctl.send_signal(signal.SIGTERM)
+        try:
+            ctl.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            ctl.kill()
+            ctl.wait()
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="1024,4096,16384", help="comma-separated sizes")
+    p.add_argument("--procs", type=int, default=4, help="simulator processes")
+    p.add_argument("--measure-s", type=float, default=20.0)
+    p.add_argument("--heartbeat-s", type=float, default=None,
+                   help="override the job's heartbeat (default: the controller's rule)")  # fmt: skip
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    rows = []
+    for n in (int(x) for x in a.nodes.split(",")):
+        row = measure(n, a.procs, a.measure_s, a.heartbeat_s)
+        rows.append(row)
+        if not a.json:
+            print(
+                f"{row['nodes']:6d} nodes ({row['workers']} workers), heartbeat "
+                f"{row['heartbeat_s']}s, timeout {row['node_timeout_s']}s: joined in "
+                f"{row['join_s']}s; controller {row['controller_cores']} cores, "
+                f"{row['controller_rss_mb']} MB; report p50 {row['report_p50_ms']} ms, p99 "
+                f"{row['report_p99_ms']} ms; lost node decided {row['detect_after_last_heartbeat_s']}s "
+                f"after its last heartbeat ({row['fault']}), standby generation "
+                f"{row['replacement_decided_s']}s later",
+                flush=True,
+            )
+    if a.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
