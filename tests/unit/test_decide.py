@@ -589,3 +589,38 @@ def test_a_point_no_rank_could_restore_falls_back_to_an_older_one_not_a_user_err
     assert sim.s.phase == Phase.FAILED and "no restorable checkpoint left" in sim.s.reason
     kinds = [d.get("next") for k, d in sim.events if k == "restore_fallback"]
     assert kinds == [[8, 0], [4, 0], None] and sim.s.restarts == 0
+
+
+def test_decide_never_changes_the_state_it_was_given() -> None:
+    """decide copies the state one level deep (copy_state, not deepcopy): check that every
+    step of a crash, restart and node loss leaves the input state as it was."""
+    sim = Sim(cfg(standby=1), 3)
+    originals = []
+    real = decide
+
+    def checked(s: JobState, *a: object) -> tuple[JobState, list[object]]:
+        before = json.dumps(state_json(s), sort_keys=True)
+        out = real(s, *a)  # type: ignore[arg-type]
+        assert json.dumps(state_json(s), sort_keys=True) == before
+        originals.append(before)
+        return out  # type: ignore[return-value]
+
+    import tests.unit.test_decide as me
+
+    me.decide = checked  # type: ignore[assignment]
+    try:
+        sim.tick()
+        sim.run_generation()
+        sim.ckpt = [(4, 0)]
+        w = sim.worker("node1")
+        w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+        sim.tick()
+        sim.ack_stop()
+        sim.tick()
+        sim.run_generation()
+        sim.tick(10.0, seen=("node0", "node2"))  # node1 is lost
+        sim.ack_stop()
+        sim.tick()
+    finally:
+        me.decide = real  # type: ignore[assignment]
+    assert len(originals) >= 8 and sim.s.generation >= 1

@@ -8,7 +8,6 @@ and events to record.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from trainguard.controller.analysis import localize_hang
@@ -21,8 +20,8 @@ from trainguard.controller.api import (
     Recovery,
     WorkerObs,
 )
-from trainguard.controller.jobstate import JobState
-from trainguard.controller.restore import replica_peers, replica_sources, restore_point
+from trainguard.controller.jobstate import JobState, copy_state
+from trainguard.controller.restore import replica_peers, replica_sources, restore_point, ring_of
 
 Event = tuple[str, dict[str, Any]]
 # Errors a rank raises when a *peer* died under a collective (gloo, NCCL): such a rank
@@ -425,7 +424,7 @@ def decide(
 
     Returns the new state (``s0`` is not modified) and the events to record.
     """
-    s = copy.deepcopy(s0)
+    s = copy_state(s0)
     events: list[Event] = []
     _update_pools(s, obs, now, cfg, events)
     gen = s.generation
@@ -989,9 +988,15 @@ def _start_generation(
 
 
 def desired_for(
-    s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig
+    s: JobState,
+    node_id: str,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    ring: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The state a node's agent must reach (level-triggered; the agent reconciles toward it)."""
+    """The state a node's agent must reach (level-triggered; the agent reconciles toward it).
+    ``ring``: ``restore.ring_of(s)``; a caller computing every node's desired state passes it
+    once (each call is then O(1) in the number of nodes)."""
     if s.phase.terminal:
         return {"action": "shutdown", "reason": s.reason, "phase": s.phase.value}
     rank = s.assignment.get(node_id)
@@ -1017,7 +1022,8 @@ def desired_for(
         return out
     if s.phase not in _ACTIVE_GEN:
         return idle
-    master = next(n for n, r in s.assignment.items() if r == 0)
+    ring = ring if ring is not None else ring_of(s)
+    master = ring[0]
     injects = [i.to_json() for i in cfg.injects if i.id not in s.fired and i.kind != "gemm-wrong"]
     return {
         "action": "run",
@@ -1050,6 +1056,6 @@ def desired_for(
         "first_step_timeout_s": cfg.first_step_timeout_s,
         "heartbeat_s": cfg.heartbeat_s,
         "node_timeout_s": cfg.node_timeout_s,
-        "replica_peers": replica_peers(s, node_id, obs, cfg),
+        "replica_peers": replica_peers(s, node_id, obs, cfg, ring),
         "replica_sources": s.restore_sources,
     }

@@ -75,16 +75,26 @@ def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dic
     return out
 
 
-def replica_peers(s: JobState, node_id: str, obs: dict[str, NodeObs], cfg: JobConfig) -> list[str]:
+def ring_of(s: JobState) -> list[str]:
+    """The assigned nodes ordered by node rank (O(n log n): compute once per tick)."""
+    return sorted(s.assignment, key=lambda n: s.assignment[n])
+
+
+def replica_peers(
+    s: JobState,
+    node_id: str,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    ring: list[str] | None = None,
+) -> list[str]:
     """Where ``node_id``'s ckptd replicates: the next ``cfg.replica_copies`` nodes by node
-    rank (a ring); a one-node job replicates to standby nodes."""
-    if not cfg.replicas:
+    rank (a ring); a one-node job replicates to standby nodes. ``ring``: ``ring_of(s)``,
+    when the caller has it (then this is O(replica_copies))."""
+    if not cfg.replicas or node_id not in s.assignment:
         return []
-    ring = sorted(s.assignment, key=lambda n: s.assignment[n])
-    if node_id not in ring:
-        return []
+    ring = ring if ring is not None else ring_of(s)
     if len(ring) > 1:
-        i = ring.index(node_id)
+        i = s.assignment[node_id]
         peers = [
             ring[(i + k) % len(ring)] for k in range(1, min(cfg.replica_copies, len(ring) - 1) + 1)
         ]

@@ -35,12 +35,15 @@ from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
 from trainguard.controller.jobstate import next_incarnation
 from trainguard.controller.monitor import Monitor
+from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight, Verdict
 from trainguard.health.judge import CheckConfig
 
 log = logging.getLogger("trainguard.controller")
 TICK_S = 0.1
+PERSIST_S = 1.0  # the state is persisted on every transition, else at most this often
+FULL_PUBLISH_S = 2.0  # every node's desired state is recomputed at least this often
 MAX_WAIT_S = 30.0
 # New nodes are checked together: a run starts when the expected count has reported, or when
 # no new node has appeared for this long.
@@ -49,7 +52,8 @@ PREFLIGHT_RETRIES = 4  # inconclusive pre-flight runs of a node in a row before 
 
 
 def state_json(s: JobState) -> dict[str, Any]:
-    d = dataclasses.asdict(s)
+    """``s`` as plain JSON values (what the store persists; ``state_from_json`` inverts it)."""
+    d: dict[str, Any] = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
     if s.recovery is not None:
         d["recovery"] = s.recovery.to_json()
     d["recoveries"] = [r.to_json() for r in s.recoveries]
@@ -67,6 +71,15 @@ def pool_lists(pools: dict[str, str]) -> dict[str, list[str]]:
         "standby": by["standby"],
         "running": by["running"],
     }
+
+
+def _signature(s: JobState) -> tuple[Any, ...]:
+    """What of the state the desired states read, cheaply compared tick to tick (changes
+    that come with no event, e.g. the rendezvous port, still reach every node at once)."""
+    return (
+        s.phase, s.generation, s.master_port, s.restore_step, s.restore_gen, len(s.fired),
+        s.restarts, s.persist is not None, len(s.pools), len(s.assignment),
+    )  # fmt: skip
 
 
 class Controller:
@@ -109,6 +122,11 @@ class Controller:
             self.state = JobState(phase_since=time.time())
         self._resume_until = time.time() + cfg.node_timeout_s if resume is not None else 0.0
         self._back_since = 0.0  # reports older than this are stale (a freeze of this process)
+        self._dirty: set[str] = set()  # nodes that reported since the last publish
+        self._full_publish = True
+        self._last_full_publish = 0.0
+        self._last_persist = 0.0
+        self._signature: tuple[Any, ...] = ()
         self._last_tick = time.monotonic()
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(time.time() * 1000)
@@ -363,6 +381,7 @@ class Controller:
     # ------------------------------------------------------------------ reports
     def _ingest(self, node_id: str, body: dict[str, Any]) -> None:
         now = time.time()
+        old_obs = self.obs.get(node_id)
         workers = {int(w["rank"]): WorkerObs(**w) for w in body.get("workers", [])}
         store = body.get("store")
         self.obs[node_id] = NodeObs(
@@ -388,6 +407,14 @@ class Controller:
             store=tuple(store) if store else None,  # type: ignore[arg-type]
             clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
         )
+        new_obs = self.obs[node_id]
+        if old_obs is None or (old_obs.addr, old_obs.replica_addr, old_obs.incarnation) != (
+            new_obs.addr,
+            new_obs.replica_addr,
+            new_obs.incarnation,
+        ):
+            self._full_publish = True  # peers' desired states name this node's addresses
+        self._dirty.add(node_id)
         self._first_seen.setdefault(node_id, now)
         if self.preflight is not None:
             self.preflight.ingest(node_id, body.get("checks", []))
@@ -559,14 +586,21 @@ class Controller:
         if new.recovery is not None and self.state.recovery is None:
             self._marks.clear()
         self.state = new
-        self._persist_and_publish()
+        sig = _signature(new)
+        changed, self._signature = bool(events) or sig != self._signature, sig
+        self._persist_and_publish(changed=changed)
 
-    def _persist_and_publish(self) -> None:
-        snapshot = json.dumps(state_json(self.state), sort_keys=True)
-        if snapshot != self._last_state:
-            self._last_state = snapshot
-            self.store.put("state", json.loads(snapshot))
-        self._publish()
+    def _persist_and_publish(self, changed: bool = True) -> None:
+        """Persist the state if it changed (checked on every transition, else at most once
+        per PERSIST_S: step counters move every tick) and publish desired states."""
+        now = time.monotonic()
+        if changed or self.state.phase.terminal or now - self._last_persist >= PERSIST_S:
+            self._last_persist = now
+            snapshot = json.dumps(state_json(self.state), sort_keys=True)
+            if snapshot != self._last_state:
+                self._last_state = snapshot
+                self.store.put("state", json.loads(snapshot))
+        self._publish(full=changed)
         if self.state.phase.terminal:
             self._done.set()
 
@@ -664,13 +698,30 @@ class Controller:
         want = {n for n, p in self.state.pools.items() if p in (Pool.RUNNING, Pool.STANDBY)}
         return all(n in self.obs and self.obs[n].last_seen >= self._back_since for n in want)
 
-    def _publish(self) -> None:
+    def _publish(self, full: bool = True) -> None:
+        """Recompute the desired state of nodes and wake the long polls of those whose state
+        changed. ``full=False``: only the nodes that reported since the last publish, unless
+        a full pass is due (the job state changed, a node's address changed, a pre-flight
+        runs, or FULL_PUBLISH_S passed): a tick then costs what changed, not the cluster."""
+        now = time.monotonic()
+        full = (
+            full
+            or self._full_publish
+            or self.check_only
+            or (self.preflight is not None and self.preflight.active is not None)
+            or now - self._last_full_publish > FULL_PUBLISH_S
+        )
+        nodes = list(self.obs) if full else [n for n in self._dirty if n in self.obs]
+        if full:
+            self._last_full_publish, self._full_publish = now, False
+        self._dirty.clear()
+        ring = ring_of(self.state)
         changed = False
-        for node_id in list(self.obs):
+        for node_id in nodes:
             if self.check_only and not self.state.phase.terminal:
                 want: dict[str, Any] = {"action": "idle", "nproc_per_node": 0}
             else:
-                want = desired_for(self.state, node_id, self.obs, self.cfg)
+                want = desired_for(self.state, node_id, self.obs, self.cfg, ring)
             task = None
             if self.preflight is not None and want["action"] == "idle":
                 task = self.preflight.task_for(node_id, self.obs[node_id].clock_skew_s)
@@ -688,9 +739,12 @@ class Controller:
             self._changed.notify_all()
 
     async def _tick_loop(self) -> None:
+        # A tenth of the heartbeat, between TICK_S and 1 s: decisions lag a report by at most
+        # that, and a lost node is decided within node_timeout_s + 1 s at any size.
+        interval = min(1.0, max(TICK_S, self.cfg.heartbeat_s / 10))
         while True:
             try:
                 self._tick()
             except Exception:  # a bug here must not silently stop the job: log and keep ticking
                 log.exception("controller tick failed")
-            await asyncio.sleep(TICK_S)
+            await asyncio.sleep(interval)
