@@ -36,6 +36,7 @@ def alerts(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events(run_dir) if e["kind"] in ALERTS]
 
 
+@pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @pytest.mark.slow  # minutes on 2 cores: in CI's slow run
 def test_a_slow_rank_among_eight_is_named_with_its_node_and_alerted(tmp_path: Path) -> None:
     hook = http.server.HTTPServer(("127.0.0.1", 0), Webhook)
@@ -117,6 +118,7 @@ def test_a_loss_spike_and_a_nan_are_reported_at_their_steps(tmp_path: Path) -> N
     assert metrics[-1]["step"] == 250 and metrics[-1]["loss"] == metrics[-1]["loss"]  # finite
 
 
+@pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @pytest.mark.slow
 def test_a_thousand_clean_steps_raise_no_alert(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -132,6 +134,7 @@ def test_a_thousand_clean_steps_raise_no_alert(tmp_path: Path) -> None:
     assert alerts(run_dir) == []
 
 
+@pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_replace_policy_swaps_a_straggler_node_for_the_standby_and_loses_nothing(
     tmp_path: Path,

@@ -40,6 +40,9 @@ from trainguard.checkpoint import snapshot
 from trainguard.checkpoint.replica import replica_path
 
 STEPS = 120
+# Steps 5x longer (a sleep on rank 0; the losses do not change): a job that must still be
+# running after seconds of a frozen controller.
+PACE = ["--inject", "slow:rank=0:factor=5"]
 # A snapshot every 5 steps: the replica of each one reaches its peer before the next.
 ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--durable-every", "10"]
 
@@ -364,7 +367,7 @@ def test_a_frozen_controller_blames_no_node_and_agents_cut_off_past_their_bound_
     cfg.write_text(FAST_CONFIG)
     ctl = subprocess.Popen(
         [*trainguard_cmd(), "controller", "--bind", "127.0.0.1:0", "--run-dir", str(run),
-         "--config", str(cfg), "--nodes", "2", str(GPT), *ARGS],
+         "--config", str(cfg), "--nodes", "2", *PACE, str(GPT), *ARGS],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
     agents: list[subprocess.Popen[str]] = []

@@ -145,6 +145,7 @@ def test_a_node_whose_gemm_is_wrong_is_caught_and_the_quick_level_takes_under_a_
     assert "GEMM wrong" in db
 
 
+@pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @ROOT_ONLY
 @pytest.mark.slow  # minutes on 2 cores: in CI's slow run
 def test_a_cpu_throttled_node_is_flagged_for_slow_gemm(tmp_path: Path, hosts: Hosts) -> None:
@@ -163,6 +164,7 @@ def test_a_cpu_throttled_node_is_flagged_for_slow_gemm(tmp_path: Path, hosts: Ho
     assert any("GEMM slow" in p for p in got["h1"]), got
 
 
+@pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @ROOT_ONLY
 @pytest.mark.slow  # minutes on 2 cores: in CI's slow run
 def test_a_rate_limited_link_is_flagged_for_slow_collectives(tmp_path: Path, hosts: Hosts) -> None:
@@ -269,6 +271,7 @@ def test_a_job_leaves_out_a_node_that_fails_preflight_and_keeps_it_quarantined(
     assert got["lists"]["running"] == ["node0", "node2"], got["lists"]
 
 
+@pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ten whole `trainguard check` runs, ~30 s each here
 def test_ten_runs_on_a_clean_pool_flag_no_node(tmp_path: Path) -> None:

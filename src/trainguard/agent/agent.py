@@ -192,6 +192,7 @@ class Agent:
             rt_api.ENV_HEARTBEAT_S: str(min(float(d["heartbeat_s"]), rt_api.DEFAULT_HEARTBEAT_S)),
             rt_api.ENV_CKPT_DIR: str(d["ckpt"]["dir"]),
             rt_api.ENV_RESTORE_GEN: "" if d.get("restore_gen") is None else str(d["restore_gen"]),
+            rt_api.ENV_RESTORE_MEMORY: "1" if d.get("restore_memory", True) else "0",
             rt_api.ENV_CKPTD: ckptd_mod.socket_name(self.job_id, self.cfg.node_id)
             if d["ckpt"]["memory_tier"]
             else "",

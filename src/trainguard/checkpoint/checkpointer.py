@@ -580,7 +580,9 @@ class Checkpointer:
             t0 = time.time()
             self._rt.event("ckpt_load_start", step=step)
             self._tier = "memory"
-            if self.memory_tier and self._load_memory(state, rank, step, gen):
+            # After a world change the memory snapshots are the old world's ranks': DCP reshards.
+            same_world = os.environ.get(rt_api.ENV_RESTORE_MEMORY, "1") != "0"
+            if self.memory_tier and same_world and self._load_memory(state, rank, step, gen):
                 self._rt.event(
                     "ckpt_load_end", step=step, tier=self._tier, duration_s=time.time() - t0
                 )

@@ -950,6 +950,7 @@ def _start_generation(
     s.restore_step = ckpt_step
     s.restore_gen = point[1] if point else None
     s.restore_sources = replica_sources(s, obs, cfg) if same_world else {}
+    s.restore_memory = same_world
     for n, r in s.assignment.items():
         if s.pools.get(n) != Pool.RUNNING:
             events.append(
@@ -1037,6 +1038,7 @@ def desired_for(
         "host_store": rank == 0,
         "restore_step": s.restore_step,
         "restore_gen": s.restore_gen,
+        "restore_memory": s.restore_memory,
         "ckpt": {
             "dir": cfg.ckpt_dir,
             "shm_dir": cfg.shm_dir,

@@ -35,6 +35,9 @@ class JobState:
     restore_gen: int | None = (
         None  # generation that wrote restore_step (the same copy on every rank)
     )
+    # the restore point may be read from memory snapshots (False after a world change: they
+    # hold the old world's per-rank state; every rank then reads the durable tier)
+    restore_memory: bool = True
     growing: bool = False  # elastic: stopping to restart on more nodes (not a fault)
     # node → why: replace it by a standby at the next checkpoint boundary (a straggler)
     evict: dict[str, str] = dataclasses.field(default_factory=dict)

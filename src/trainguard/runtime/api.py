@@ -16,6 +16,9 @@ ENV_CKPT_DIR = "TRAINGUARD_CKPT_DIR"  # durable checkpoint directory
 ENV_INJECT = "TRAINGUARD_INJECT"  # JSON list of armed InjectSpec (faults/inject.py)
 ENV_HEARTBEAT_S = "TRAINGUARD_HEARTBEAT_S"  # runtime heartbeat period in seconds
 ENV_RESTORE_GEN = "TRAINGUARD_RESTORE_GEN"  # generation that wrote the agreed restore step
+# "0": the world changed since the restore point was written; memory snapshots are of the old
+# world's ranks (their per-rank and per-shard state differ): every rank reads the durable tier
+ENV_RESTORE_MEMORY = "TRAINGUARD_RESTORE_MEMORY"
 ENV_CKPTD = (
     "TRAINGUARD_CKPTD"  # abstract socket name of the node's ckptd ("" = in-process persister)
 )
