@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -53,7 +54,7 @@ def _sim(
     out: Any,
 ) -> None:
     """One simulator process: an asyncio client per node of ``nodes``."""
-    resource.setrlimit(resource.RLIMIT_NOFILE, (65536, 65536))
+    _raise_fd_limit()
     latencies: list[float] = []
 
     async def node(i: int, session: aiohttp.ClientSession) -> None:
@@ -96,7 +97,7 @@ def _sim(
                     stopped = int(d["generation"])
                 elif action == "shutdown":
                     return
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError):
                 await asyncio.sleep(random.uniform(0.5, 1.5))
                 continue
             await asyncio.sleep(heartbeat_s * random.uniform(0.9, 1.1))
@@ -110,6 +111,13 @@ def _sim(
 
     asyncio.run(main())
     out.put(latencies)
+
+
+def _raise_fd_limit() -> None:
+    """One socket per simulated node (and per node in the controller): the soft fd limit up
+    to the hard one."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _cpu_s(pid: int) -> float:
@@ -127,10 +135,8 @@ def _rss_mb(pid: int) -> float:
 def _events(run: Path) -> list[dict[str, Any]]:
     out = []
     for line in (run / "events.jsonl").read_text().splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a line being written
             out.append(json.loads(line))
-        except ValueError:
-            pass
     return out
 
 
@@ -150,11 +156,13 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
     hb = heartbeat_s if heartbeat_s is not None else 0.0
     cfg = tmp / "job.toml"
     cfg.write_text('preflight = "off"\n' + (f"heartbeat_s = {hb}\n" if hb else ""))
+    log = open(tmp / "controller.log", "w")  # noqa: SIM115 - closed with the process below
     ctl = subprocess.Popen(
         [sys.executable, "-m", "trainguard", "controller", "--bind", "127.0.0.1:0",
          "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
          "--nproc-per-node", str(NPROC), str(SCRIPT)],
-        stdout=subprocess.DEVNULL, stderr=open(tmp / "controller.log", "w"), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT,
+        preexec_fn=_raise_fd_limit,
     )  # fmt: skip
     sims: list[mp.Process] = []
     stop = mp.Event()
@@ -186,6 +194,8 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
             sims.append(p)
 
         def running() -> bool:
+            if not all(p.is_alive() for p in sims) or ctl.poll() is not None:
+                raise SystemExit("a simulator or the controller died; see the traceback above")
             return any(e["kind"] == "phase" and e["to"] == "RUNNING" for e in _events(run))
 
         t_join = time.monotonic()
@@ -246,6 +256,7 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
         except subprocess.TimeoutExpired:
             ctl.kill()
             ctl.wait()
+        log.close()
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
 
 
