@@ -20,7 +20,9 @@ from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.ckptd import CkptdClient, socket_name, spawn
 
 WORKER = ROOT / "tests" / "helpers" / "ckpt_worker.py"
-JOB, NODE = "testjob", "nodeA"
+# ckptd listens on an abstract socket named after job and node: one name per test process
+# (tests run two at a time), or two tests would talk to each other's ckptd.
+JOB, NODE = f"testjob{os.getpid()}", "nodeA"
 
 
 def _env(

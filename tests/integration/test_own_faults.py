@@ -177,7 +177,10 @@ def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
         assert not (e["rank"] == 1 and e["tier"] == "replica" and e["step"] == bad_replica[0]), e
         assert not (e["tier"] == "durable" and e["step"] == bad_disk), e
     corrupt = [e for e in evs if e["kind"] in ("ckpt_corrupt", "checkpoint_corrupt")]
-    assert {e["tier"] for e in corrupt} >= {"replica", "durable"}, corrupt
+    # The replica was the restore point's only copy for rank 1: its corruption is always met.
+    # The durable copy is met only when the fallback reaches it (or the controller verifies
+    # it first); either way it was never loaded (above).
+    assert "replica" in {e["tier"] for e in corrupt}, corrupt
     # A point a rank could not read anywhere is never chosen again.
     for point in unusable:
         assert chosen.count(point) == 1, (point, chosen)

@@ -252,9 +252,9 @@ class Controller:
 
     async def _report(self, request: web.Request) -> web.Response:
         """Take one agent report: validated (400 with the reason when it does not follow the
-        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, answered with the
-        node's desired state. Decisions are not taken here but on the next coalesced tick
-        (at most TICK_S later): a report costs work proportional to itself, not to the job."""
+        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, a tick, answered
+        with the node's desired state. (A report still runs a tick: deciding on the tick
+        loop only delayed a planned stop's view of the last snapshots, see issue 14's note.)"""
         try:
             body = await request.json()
             protocol.validate_report(body)
@@ -283,6 +283,7 @@ class Controller:
         except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
             log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
             return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
+        self._tick()
         version, desired = self._desired.get(node_id, (0, {"action": "idle"}))
         return web.json_response({"version": version, "desired": desired})
 
