@@ -20,6 +20,7 @@ records to the node agent over UDP; the training thread only appends to a queue.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -97,6 +98,10 @@ class Runtime:
                 target=self._report_loop, name="trainguard-reporter", daemon=True
             )
             self._thread.start()
+            # The reporter is a daemon thread: at exit, what it has not sent yet (the last
+            # steps of a script that ends right after them) is sent here, or the controller
+            # would judge the ranks by a step they passed long ago ("stopped early").
+            atexit.register(self._flush)
 
     @property
     def supervised(self) -> bool:
@@ -321,13 +326,28 @@ class Runtime:
         finally:
             self._phases.pop()
 
+    def _flush(self) -> None:
+        """Send every queued report now (atexit; bounded by the queue's length)."""
+        batch: list[dict[str, Any]] = []
+        with contextlib.suppress(queue.Empty, OSError):
+            while True:
+                batch.append(self._queue.get_nowait())
+                if len(batch) == 64:
+                    self._send_now({"t": "batch", "items": batch})
+                    batch = []
+        with contextlib.suppress(OSError):
+            if batch:
+                self._send_now({"t": "batch", "items": batch})
+
     def close(self) -> None:
-        """Stop the reporter thread (joined with a 2 s deadline)."""
+        """Stop the reporter thread (joined with a 2 s deadline) and send what it left."""
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        self._flush()
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
 
 
 _runtime: Runtime | None = None
