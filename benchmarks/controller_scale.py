@@ -37,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from node_recovery import wait_until  # beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"
 NPROC = 8
+VICTIM = 7  # the node killed mid-run: a running one (node ranks follow names)
 
 
 def _sim(
@@ -65,9 +67,7 @@ def _sim(
         await asyncio.sleep(random.uniform(0, heartbeat_s))
         while not stop.is_set():
             if kill.value == i:
-                if killed_at.value == 0.0:
-                    killed_at.value = time.time()
-                return
+                return  # this node is lost: it reports no more
             workers = []
             if action == "run" and gen is not None:
                 step += 1
@@ -89,6 +89,8 @@ def _sim(
                 async with session.post(f"http://{addr}/v1/report", json=body) as resp:
                     reply = await resp.json()
                 latencies.append(time.monotonic() - t0)
+                if i == VICTIM:
+                    killed_at.value = time.time()  # its last report the controller took
                 d = reply["desired"]
                 action = d.get("action", "idle")
                 if action == "run":
@@ -140,16 +142,6 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
     run = tmp / "run"
@@ -167,9 +159,8 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
     sims: list[mp.Process] = []
     stop = mp.Event()
     try:
-        info = _wait(lambda: (run / "controller.json").exists() and (run / "token").exists(), 60,
+        wait_until(lambda: (run / "controller.json").exists() and (run / "token").exists(), 60,
                      "the controller")  # fmt: skip
-        del info
         addr = json.loads((run / "controller.json").read_text())["addr"]
         token = (run / "token").read_text().strip()
         conf = json.loads(
@@ -181,7 +172,7 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
             ).stdout
         )  # fmt: skip
         hb_eff, timeout_eff = float(conf["heartbeat_s"]), float(conf["node_timeout_s"])
-        kill, killed_at = mp.Value("i", -1), mp.Value("d", 0.0)
+        kill, killed_at = mp.Value("i", -1), mp.Value("d", 0.0)  # victim's last report (wall)
         out: mp.Queue[list[float]] = mp.Queue()
         ids = list(range(n + 1))
         for k in range(procs):
@@ -199,16 +190,16 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
             return any(e["kind"] == "phase" and e["to"] == "RUNNING" for e in _events(run))
 
         t_join = time.monotonic()
-        _wait(running, 600, f"{n} nodes to join and run")
+        wait_until(running, 600, f"{n} nodes to join and run")
         join_s = time.monotonic() - t_join
         time.sleep(min(5.0, measure_s))  # settle
         c0, w0 = _cpu_s(ctl.pid), time.monotonic()
         time.sleep(measure_s)
         cores = (_cpu_s(ctl.pid) - c0) / (time.monotonic() - w0)
         rss = _rss_mb(ctl.pid)
-        victim = 7  # a running node (node ranks follow names; n7 is one of the first)
+        victim = VICTIM
         kill.value = victim
-        fault = _wait(
+        fault = wait_until(
             lambda: next((e for e in _events(run) if e["kind"] == "fault"), None),
             timeout_eff * 4 + 60, "the fault decision",
         )  # fmt: skip
@@ -220,7 +211,7 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
                  and e["generation"] == 1), None,
             )  # fmt: skip
 
-        g1 = _wait(gen1, 300, "the standby's generation")
+        g1 = wait_until(gen1, 300, "the standby's generation")
         replace_s = float(g1["ts"]) - float(fault["t_detected"])
         stop.set()
         lat: list[float] = []

@@ -51,7 +51,8 @@ def _reached(run_dir: Path, step: int) -> bool:
     )
 
 
-def _wait(pred: Any, timeout: float, what: str) -> Any:
+def wait_until(pred: Any, timeout: float, what: str) -> Any:
+    """``pred()`` once it is truthy; RuntimeError past ``timeout`` seconds (polls every 50 ms)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
@@ -77,7 +78,7 @@ def one_run(tmp: Path, replicas: bool, args: argparse.Namespace) -> dict[str, An
         )  # fmt: skip
         procs.append(ctl)  # type: ignore[arg-type]
         info = run_dir / "controller.json"
-        _wait(info.exists, 60, "the controller")
+        wait_until(info.exists, 60, "the controller")
         addr = json.loads(info.read_text())["addr"]
         for i, a in enumerate(hosts.addrs):
             agent = _tg("agent", "--controller", addr, "--token-file", run_dir / "token",
@@ -98,8 +99,8 @@ def one_run(tmp: Path, replicas: bool, args: argparse.Namespace) -> dict[str, An
             nodes = [n for n, r in st["assignment"].items() if r == 1]
             return int(nodes[0][1:]) if nodes else None
 
-        victim = _wait(rank1_host, 120, "node rank 1")
-        _wait(lambda: _reached(run_dir, args.kill_step), 600, f"step {args.kill_step}")
+        victim = wait_until(rank1_host, 120, "node rank 1")
+        wait_until(lambda: _reached(run_dir, args.kill_step), 600, f"step {args.kill_step}")
         hosts.kill_all(victim)
         job = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
         for seg in Path("/dev/shm").glob(f"trainguard-{job}-h{victim}-*"):
