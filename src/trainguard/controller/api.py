@@ -276,6 +276,13 @@ class NodeObs:
         default_factory=dict
     )  # source rank → verified (step, gen) replicas this node holds for peers
     replica_addr: str | None = None  # host:port of this node's ckptd replica server
+    # generation → newest step any report of this node showed for it (folded across reports:
+    # decisions run on a coalesced tick, and a report after a stop lists no workers); the
+    # newest STEPS_SEEN_GENERATIONS generations only, so memory per node stays bounded.
+    steps_seen: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+STEPS_SEEN_GENERATIONS = 4
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

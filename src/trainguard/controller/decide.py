@@ -430,10 +430,13 @@ def decide(
     gen = s.generation
     for n in s.assignment:
         o = obs.get(n)
-        if o is not None and o.generation == gen:
-            steps = [w.step for w in o.workers.values() if w.step is not None]
-            if steps:
-                s.max_step[gen] = max(s.max_step.get(gen, 0), *steps)
+        if o is None:
+            continue
+        steps = [o.steps_seen[gen]] if gen in o.steps_seen else []
+        if o.generation == gen:
+            steps += [w.step for w in o.workers.values() if w.step is not None]
+        if steps:
+            s.max_step[gen] = max(s.max_step.get(gen, 0), *steps)
 
     if (
         s.stop_requested

@@ -31,7 +31,14 @@ from aiohttp import web
 from trainguard import protocol
 from trainguard.checkpoint import storage
 from trainguard.controller.analysis import DetectConfig
-from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.api import (
+    STEPS_SEEN_GENERATIONS,
+    JobConfig,
+    NodeObs,
+    Phase,
+    Pool,
+    WorkerObs,
+)
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
 from trainguard.controller.jobstate import next_incarnation
 from trainguard.controller.monitor import Monitor
@@ -80,6 +87,25 @@ def _signature(s: JobState) -> tuple[Any, ...]:
         s.phase, s.generation, s.master_port, s.restore_step, s.restore_gen, len(s.fired),
         s.restarts, s.persist is not None, len(s.pools), len(s.assignment),
     )  # fmt: skip
+
+
+def _fold_steps(
+    old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]]
+) -> dict[int, int]:
+    """``NodeObs.steps_seen`` after one more report: the old fold, the steps its workers show
+    now, and its step records; the newest STEPS_SEEN_GENERATIONS generations kept."""
+    seen = dict(old.steps_seen) if old is not None else {}
+    now = [w.step for w in new.workers.values() if w.step is not None]
+    if new.generation is not None and now:
+        seen[new.generation] = max(seen.get(new.generation, 0), *now)
+    for b in batches:
+        steps = [int(it["step"]) for it in b["items"]]
+        if steps:
+            g = int(b["generation"])
+            seen[g] = max(seen.get(g, 0), *steps)
+    for g in sorted(seen)[:-STEPS_SEEN_GENERATIONS]:
+        del seen[g]
+    return seen
 
 
 class Controller:
@@ -252,9 +278,10 @@ class Controller:
 
     async def _report(self, request: web.Request) -> web.Response:
         """Take one agent report: validated (400 with the reason when it does not follow the
-        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, a tick, answered
-        with the node's desired state. (A report still runs a tick: deciding on the tick
-        loop only delayed a planned stop's view of the last snapshots, see issue 14's note.)"""
+        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, answered with the
+        node's current desired state. No decision is taken here: decisions run on the
+        coalesced tick (``_tick_loop``), so a report costs work proportional to itself, not
+        to the job; a desired state the next tick changes reaches the agent by its long poll."""
         try:
             body = await request.json()
             protocol.validate_report(body)
@@ -283,7 +310,6 @@ class Controller:
         except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
             log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
             return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
-        self._tick()
         version, desired = self._desired.get(node_id, (0, {"action": "idle"}))
         return web.json_response({"version": version, "desired": desired})
 
@@ -409,6 +435,7 @@ class Controller:
             clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
         )
         new_obs = self.obs[node_id]
+        new_obs.steps_seen = _fold_steps(old_obs, new_obs, body.get("steps", []))
         if old_obs is None or (old_obs.addr, old_obs.replica_addr, old_obs.incarnation) != (
             new_obs.addr,
             new_obs.replica_addr,
