@@ -11,7 +11,10 @@ Per size it prints:
 - controller CPU (cores, from /proc/PID/stat over ``--measure-s`` of steady training),
   its resident memory, p50/p99 report latency seen by the agents;
 - a node killed mid-run (its agent stops reporting): the delay from its last heartbeat to
-  the controller's fault decision, and from then to the standby's generation start.
+  the controller's fault decision, and from then to the standby's generation start;
+- with ``--restart``: the controller SIGKILLed mid-run and started again on the run dir:
+  when the simulated agents (the agent's jittered back-off) were all back, and a check from
+  the events that the job did not restart and nothing was decided on stale observations.
 
 Run: ``python benchmarks/controller_scale.py --nodes 1024`` (``--json`` for the figures).
 Needs no GPU; everything runs on this machine's loopback and is removed at the end.
@@ -39,6 +42,8 @@ from typing import Any
 import aiohttp
 from node_recovery import wait_until  # beside this file
 
+from trainguard.agent.link import backoff_after
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"
 NPROC = 8
@@ -52,18 +57,25 @@ def _sim(
     heartbeat_s: float,
     kill: Any,
     killed_at: Any,
+    back: Any,
+    epoch: Any,
     stop: Any,
     out: Any,
 ) -> None:
-    """One simulator process: an asyncio client per node of ``nodes``."""
+    """One simulator process: an asyncio client per node of ``nodes``. A node whose report
+    fails retries with the agent's jittered back-off (``link.backoff_after``); ``back``
+    counts nodes whose first report sent after ``epoch`` (wall time of a controller kill)
+    succeeded."""
     _raise_fd_limit()
-    latencies: list[float] = []
+    latencies: list[tuple[float, float]] = []  # (wall time sent, seconds to the answer)
+    returned: list[float] = []  # wall time each node reported again after an outage
 
     async def node(i: int, session: aiohttp.ClientSession) -> None:
         nid, inc = f"n{i}", f"inc{i}-{os.getpid()}"
         gen: int | None = None
         stopped, step, rank = -1, 0, 0
         action = "idle"
+        backoff, failed, seen_epoch = 0.1, False, 0.0
         await asyncio.sleep(random.uniform(0, heartbeat_s))
         while not stop.is_set():
             if kill.value == i:
@@ -84,11 +96,18 @@ def _sim(
                 "memory": {}, "replicas": {}, "time": time.time(),
                 "store": [gen, 29500] if action == "run" and rank == 0 else None,
             }  # fmt: skip
-            t0 = time.monotonic()
+            t0, t_wall = time.monotonic(), time.time()
             try:
                 async with session.post(f"http://{addr}/v1/report", json=body) as resp:
                     reply = await resp.json()
-                latencies.append(time.monotonic() - t0)
+                latencies.append((t_wall, time.monotonic() - t0))
+                if failed:
+                    failed, backoff = False, 0.1
+                if epoch.value and t_wall > epoch.value and seen_epoch != epoch.value:
+                    seen_epoch = epoch.value  # its first report sent after the restart
+                    returned.append(time.time())
+                    with back.get_lock():
+                        back.value += 1
                 if i == VICTIM:
                     killed_at.value = time.time()  # its last report the controller took
                 d = reply["desired"]
@@ -100,7 +119,9 @@ def _sim(
                 elif action == "shutdown":
                     return
             except (TimeoutError, aiohttp.ClientError, ValueError, KeyError):
-                await asyncio.sleep(random.uniform(0.5, 1.5))
+                failed = True
+                await asyncio.sleep(backoff)
+                backoff = backoff_after(backoff)
                 continue
             await asyncio.sleep(heartbeat_s * random.uniform(0.9, 1.1))
 
@@ -112,7 +133,7 @@ def _sim(
             await asyncio.gather(*(node(i, s) for i in nodes))
 
     asyncio.run(main())
-    out.put(latencies)
+    out.put((latencies, returned))
 
 
 def _raise_fd_limit() -> None:
@@ -120,6 +141,11 @@ def _raise_fd_limit() -> None:
     to the hard one."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _ms(sorted_s: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted seconds, in milliseconds (nearest rank)."""
+    return round(1000 * sorted_s[int(q * (len(sorted_s) - 1))], 1) if sorted_s else None
 
 
 def _cpu_s(pid: int) -> float:
@@ -142,20 +168,25 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return out
 
 
-def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> dict[str, Any]:
+def measure(
+    n: int, procs: int, measure_s: float, heartbeat_s: float | None, restart: bool
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
     run = tmp / "run"
     hb = heartbeat_s if heartbeat_s is not None else 0.0
     cfg = tmp / "job.toml"
     cfg.write_text('preflight = "off"\n' + (f"heartbeat_s = {hb}\n" if hb else ""))
     log = open(tmp / "controller.log", "w")  # noqa: SIM115 - closed with the process below
-    ctl = subprocess.Popen(
-        [sys.executable, "-m", "trainguard", "controller", "--bind", "127.0.0.1:0",
-         "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
-         "--nproc-per-node", str(NPROC), str(SCRIPT)],
-        stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT,
-        preexec_fn=_raise_fd_limit,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "trainguard", "controller", "--bind", "127.0.0.1:0",
+           "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
+           "--nproc-per-node", str(NPROC), str(SCRIPT)]  # fmt: skip
+
+    def start_controller() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, preexec_fn=_raise_fd_limit
+        )
+
+    ctl = start_controller()
     sims: list[mp.Process] = []
     stop = mp.Event()
     try:
@@ -173,12 +204,13 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
         )  # fmt: skip
         hb_eff, timeout_eff = float(conf["heartbeat_s"]), float(conf["node_timeout_s"])
         kill, killed_at = mp.Value("i", -1), mp.Value("d", 0.0)  # victim's last report (wall)
-        out: mp.Queue[list[float]] = mp.Queue()
+        back, epoch = mp.Value("i", 0), mp.Value("d", 0.0)
+        out: mp.Queue[tuple[list[float], list[float]]] = mp.Queue()
         ids = list(range(n + 1))
         for k in range(procs):
             p = mp.Process(
                 target=_sim,
-                args=(addr, token, ids[k::procs], hb_eff, kill, killed_at, stop, out),
+                args=(addr, token, ids[k::procs], hb_eff, kill, killed_at, back, epoch, stop, out),
                 daemon=True,
             )
             p.start()
@@ -193,10 +225,16 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
         wait_until(running, 600, f"{n} nodes to join and run")
         join_s = time.monotonic() - t_join
         time.sleep(min(5.0, measure_s))  # settle
-        c0, w0 = _cpu_s(ctl.pid), time.monotonic()
+        c0, w0, steady_from = _cpu_s(ctl.pid), time.monotonic(), time.time()
         time.sleep(measure_s)
         cores = (_cpu_s(ctl.pid) - c0) / (time.monotonic() - w0)
+        steady_to = time.time()
         rss = _rss_mb(ctl.pid)
+        after_restart: dict[str, Any] = {}
+        if restart:
+            ctl, after_restart = _restart(
+                ctl, start_controller, run, n + 1, back, epoch, timeout_eff
+            )
         victim = VICTIM
         kill.value = victim
         fault = wait_until(
@@ -214,10 +252,26 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
         g1 = wait_until(gen1, 300, "the standby's generation")
         replace_s = float(g1["ts"]) - float(fault["t_detected"])
         stop.set()
-        lat: list[float] = []
+        sent: list[tuple[float, float]] = []
+        returned: list[float] = []
         for _ in sims:
-            lat += out.get(timeout=120)
-        lat.sort()
+            got_lat, got_back = out.get(timeout=120)
+            sent += got_lat
+            returned += got_back
+        lat = sorted(d for _, d in sent)
+        steady = sorted(d for t, d in sent if steady_from <= t <= steady_to)
+        if os.environ.get("TG_SCALE_DEBUG"):
+            slow = sorted(round(t - steady_from, 1) for t, d in sent if d > 0.3)
+            print("slow reports at (s from steady start):", slow[:: max(1, len(slow) // 40)],
+                  "fault at", round(float(fault["t_detected"]) - steady_from, 1), file=sys.stderr)
+        if restart and returned:
+            t_up = after_restart.pop("t_up")
+            spread = sorted(t - t_up for t in returned if t >= t_up)
+            after_restart["nodes_back_first_s"] = round(spread[0], 2) if spread else None
+            after_restart["nodes_back_p50_s"] = (
+                round(statistics.median(spread), 2) if spread else None
+            )
+            after_restart["nodes_back_last_s"] = round(spread[-1], 2) if spread else None
         return {
             "nodes": n,
             "workers": n * NPROC,
@@ -226,14 +280,18 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
             "join_s": round(join_s, 1),
             "controller_cores": round(cores, 3),
             "controller_rss_mb": round(rss, 1),
-            "report_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
-            "report_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1) if lat else None,
+            "report_p50_ms": _ms(lat, 0.5),
+            "report_p99_ms": _ms(lat, 0.99),
             "reports": len(lat),
+            # over the measured window of steady training only (no join, restart or fault)
+            "steady_report_p50_ms": _ms(steady, 0.5),
+            "steady_report_p99_ms": _ms(steady, 0.99),
             "fault": fault["cause"],
             "fault_node": fault["node_id"],
             "detect_after_last_heartbeat_s": round(detect_s, 2),
             "replacement_decided_s": round(replace_s, 2),
             "replaced_by": g1["assignment"] and sorted(set(g1["assignment"]) - {f"n{victim}"})[-1:],
+            **({"controller_restart": after_restart} if restart else {}),
         }
     finally:
         stop.set()
@@ -251,6 +309,44 @@ def measure(n: int, procs: int, measure_s: float, heartbeat_s: float | None) -> 
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
 
 
+def _restart(
+    ctl: subprocess.Popen[bytes],
+    start: Any,
+    run: Path,
+    total: int,
+    back: Any,
+    epoch: Any,
+    timeout_s: float,
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """SIGKILL the controller mid-run and start it again on the same run dir (it resumes on
+    the same port). Waits until every simulated node reported to the new one, then one node
+    timeout more, and checks from the events that the job did not restart: no fault, no
+    generation started, and no decision before every node was back."""
+    ctl.kill()
+    ctl.wait()
+    t_kill = time.time()
+    back.value, epoch.value = 0, t_kill
+    new = start()
+    wait_until(
+        lambda: any(e["kind"] == "controller_restarted" for e in _events(run)), 120,
+        "the restarted controller",
+    )  # fmt: skip
+    t_up = next(float(e["ts"]) for e in _events(run) if e["kind"] == "controller_restarted")
+    wait_until(lambda: back.value >= total, 300, "every node to report to the new controller")
+    t_all = time.time()
+    time.sleep(timeout_s + 2.0)  # a decision on stale observations would have come by now
+    after = [e for e in _events(run) if float(e["ts"]) >= t_kill]
+    decided = [e["kind"] for e in after if e["kind"] in ("fault", "generation_started", "phase")]
+    if decided:
+        raise SystemExit(f"the restarted controller changed the job: {decided}")
+    return new, {
+        "down_s": round(t_up - t_kill, 2),
+        "all_back_s": round(t_all - t_up, 2),
+        "job_restarted": False,
+        "t_up": t_up,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="1024,4096,16384", help="comma-separated sizes")
@@ -258,11 +354,13 @@ def main() -> int:
     p.add_argument("--measure-s", type=float, default=20.0)
     p.add_argument("--heartbeat-s", type=float, default=None,
                    help="override the job's heartbeat (default: the controller's rule)")  # fmt: skip
+    p.add_argument("--restart", action="store_true",
+                   help="also SIGKILL and restart the controller mid-run at each size")  # fmt: skip
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     rows = []
     for n in (int(x) for x in a.nodes.split(",")):
-        row = measure(n, a.procs, a.measure_s, a.heartbeat_s)
+        row = measure(n, a.procs, a.measure_s, a.heartbeat_s, a.restart)
         rows.append(row)
         if not a.json:
             print(
@@ -270,11 +368,21 @@ def main() -> int:
                 f"{row['heartbeat_s']}s, timeout {row['node_timeout_s']}s: joined in "
                 f"{row['join_s']}s; controller {row['controller_cores']} cores, "
                 f"{row['controller_rss_mb']} MB; report p50 {row['report_p50_ms']} ms, p99 "
-                f"{row['report_p99_ms']} ms; lost node decided {row['detect_after_last_heartbeat_s']}s "
+                f"{row['report_p99_ms']} ms (steady training: p50 {row['steady_report_p50_ms']}, "
+                f"p99 {row['steady_report_p99_ms']} ms); lost node decided {row['detect_after_last_heartbeat_s']}s "
                 f"after its last heartbeat ({row['fault']}), standby generation "
                 f"{row['replacement_decided_s']}s later",
                 flush=True,
             )
+            r = row.get("controller_restart")
+            if r:
+                print(
+                    f"        controller SIGKILLed and restarted: up after {r['down_s']}s; nodes "
+                    f"back after {r['nodes_back_first_s']}-{r['nodes_back_last_s']}s (p50 "
+                    f"{r['nodes_back_p50_s']}s); every node back {r['all_back_s']}s after the "
+                    "start; the job did not restart and no decision came before",
+                    flush=True,
+                )
     if a.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -39,7 +39,7 @@ from trainguard import protocol
 from trainguard.agent import outside
 from trainguard.agent import workers as wk
 from trainguard.agent.checks import CheckRunner
-from trainguard.agent.link import ControllerLink, HTTPStatusError, jittered
+from trainguard.agent.link import ControllerLink, HTTPStatusError, backoff_after
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
 from trainguard.runtime import api as rt_api
@@ -807,7 +807,7 @@ class Agent:
                 ok = False
             if ok:
                 self._last_report_ok = time.monotonic()
-            backoff = 0.1 if ok else min(2.0, jittered(backoff * 2))
+            backoff = 0.1 if ok else backoff_after(backoff)
 
     def _poll_loop(self) -> None:
         backoff = 0.1
@@ -823,7 +823,7 @@ class Agent:
                 backoff = 0.1
             except (OSError, ValueError):
                 time.sleep(backoff)
-                backoff = min(2.0, jittered(backoff * 2))
+                backoff = backoff_after(backoff)
 
 
 def main(cfg: AgentConfig) -> int:

@@ -28,6 +28,13 @@ def jittered(seconds: float) -> float:
     return seconds * random.uniform(0.5, 1.5)
 
 
+def backoff_after(seconds: float, cap_s: float = 2.0) -> float:
+    """The next retry delay after a failed one of ``seconds``: doubled, jittered, at most
+    ``cap_s`` (0.1 s → ~0.2 → ~0.4 … ~2 s: a restarted controller sees agents return over
+    about a second, not in one burst)."""
+    return min(cap_s, jittered(seconds * 2))
+
+
 class ControllerLink:
     """Requests to the controller at ``HOST:PORT`` with the job token. Thread-safe: each
     thread uses its own kept-alive connection. ``request`` raises OSError (unreachable,

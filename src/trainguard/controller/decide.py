@@ -20,7 +20,7 @@ from trainguard.controller.api import (
     Recovery,
     WorkerObs,
 )
-from trainguard.controller.jobstate import JobState, copy_state
+from trainguard.controller.jobstate import Inputs, JobState, copy_state, fold_inputs
 from trainguard.controller.restore import replica_peers, replica_sources, restore_point, ring_of
 
 Event = tuple[str, dict[str, Any]]
@@ -418,14 +418,18 @@ def decide(
     now: float,
     cfg: JobConfig,
     durable: list[tuple[int, int]],
+    inputs: Inputs | None = None,
 ) -> tuple[JobState, list[Event]]:
-    """One step of the state machine. ``durable``: verified committed (step, generation) pairs;
-    the memory tier comes from the agents' reports (``NodeObs.memory``).
+    """One step of the state machine, the only writer of the job state. ``durable``: verified
+    committed (step, generation) pairs; the memory tier comes from the agents' reports
+    (``NodeObs.memory``); ``inputs``: what else happened since the last step (``Inputs``).
 
     Returns the new state (``s0`` is not modified) and the events to record.
     """
     s = copy_state(s0)
     events: list[Event] = []
+    if inputs is not None:
+        fold_inputs(s, inputs, events)
     _update_pools(s, obs, now, cfg, events)
     gen = s.generation
     for n in s.assignment:

@@ -76,6 +76,63 @@ class JobState:
     )  # generation → newest step seen
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Inputs:
+    """What the executor learned since the last tick that is not an agent's latest report:
+    ``decide`` folds these into the state (it is the only writer of ``JobState``; the
+    executor collects inputs and applies decisions, it never edits the state itself).
+
+    - ``stop_requested``: a user asked the job to stop (``POST /v1/stop``, SIGTERM/SIGINT).
+    - ``fired``: ids of injections whose ``inject_fired`` event arrived.
+    - ``unusable``: (step, generation) points a rank could not restore from any tier
+      (``ckpt_restore_failed``).
+    - ``evict``: node → why: replace it by a standby at the next checkpoint boundary (a
+      persistent straggler under ``straggler_action = "replace"``).
+    - ``milestones``: (generation, name, wall time) of a recovery's last phases, each once
+      every rank reached it: ``t_rendezvous``, ``t_loaded``, ``t_first_step_start`` (stands
+      for both when nothing was restored) and ``t_first_step`` (completes the recovery of
+      that generation).
+    """
+
+    stop_requested: bool = False
+    fired: list[int] = dataclasses.field(default_factory=list)
+    unusable: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    evict: dict[str, str] = dataclasses.field(default_factory=dict)
+    milestones: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (
+            self.stop_requested or self.fired or self.unusable or self.evict or self.milestones
+        )
+
+
+MILESTONES = ("t_rendezvous", "t_loaded", "t_first_step_start", "t_first_step")
+
+
+def fold_inputs(s: JobState, inputs: Inputs, events: list[tuple[str, dict[str, Any]]]) -> None:
+    """Fold ``inputs`` into ``s`` (a copy ``decide`` owns); a completed recovery is moved to
+    ``s.recoveries`` with a ``recovery_completed`` event."""
+    s.stop_requested = s.stop_requested or inputs.stop_requested
+    s.fired += [i for i in inputs.fired if i not in s.fired]
+    for step, gen in inputs.unusable:
+        if [step, gen] not in s.unusable:
+            s.unusable.append([step, gen])
+    s.evict.update(inputs.evict)
+    for gen, name, t in inputs.milestones:
+        rec = s.recovery
+        if rec is None or rec.to_generation != gen or name not in MILESTONES:
+            continue
+        if name == "t_first_step_start":
+            if rec.t_rendezvous is None:  # nothing restored: rendezvous ends as a step starts
+                rec.t_rendezvous = rec.t_loaded = t
+            continue
+        setattr(rec, name, t)
+        if name == "t_first_step":
+            events.append(("recovery_completed", {"generation": gen, **rec.to_json()}))
+            s.recoveries.append(rec)
+            s.recovery = None
+
+
 def _recovery_from_json(d: dict[str, Any]) -> Recovery:
     d = {k: v for k, v in d.items() if k != "durations_s"}
     return Recovery(**{**d, "fault": Fault(**d["fault"])})

@@ -23,17 +23,15 @@ def restore_point(
     restore from every tier (``s.unusable``) are never chosen."""
     ranks: dict[int, set[tuple[int, int]]] = {}
     local: dict[int, set[tuple[int, int]]] = {}
+    held = _replica_index(s, obs, cfg) if memory else {}
     for node, node_rank in s.assignment.items():
         mem = obs[node].memory if node in obs else {}
         for i in range(cfg.nproc_per_node):
             rank = node_rank * cfg.nproc_per_node + i
             local[rank] = {tuple(p) for p in mem.get(rank, [])} if memory else set()  # type: ignore[misc]
-            ranks[rank] = local[rank] | {
-                tuple(p)  # type: ignore[misc]
-                for n, o in obs.items()
-                if memory and n != node and o.replica_addr and cfg.replicas and _healthy(s, n)
-                for p in o.replicas.get(rank, [])
-            }
+            ranks[rank] = local[rank].union(
+                *(points for n, _, points in held.get(rank, []) if n != node)
+            )
     in_memory = set.intersection(*ranks.values()) if ranks else set()
     unusable = {(p[0], p[1]) for p in s.unusable}
     candidates = (in_memory | set(durable)) - unusable
@@ -50,12 +48,33 @@ def _healthy(s: JobState, node: str) -> bool:
     return s.pools.get(node) in (Pool.RUNNING, Pool.STANDBY)
 
 
+def _replica_index(
+    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig
+) -> dict[int, list[tuple[str, str, set[tuple[int, int]]]]]:
+    """rank → (node, replica server, verified points) of each healthy node holding replicas
+    of that rank, by node name: one pass over the reports (the restore point and the
+    replica sources then cost O(ranks + replicas), not O(ranks × nodes))."""
+    out: dict[int, list[tuple[str, str, set[tuple[int, int]]]]] = {}
+    if not cfg.replicas:
+        return out
+    for n in sorted(obs):
+        o = obs[n]
+        if not o.replica_addr or not _healthy(s, n):
+            continue
+        for rank, points in o.replicas.items():
+            out.setdefault(int(rank), []).append(
+                (n, o.replica_addr, {(int(p[0]), int(p[1])) for p in points})
+            )
+    return out
+
+
 def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
     """rank → replica server of a live node holding the restore point for a rank whose own
     node does not (a replaced node's ranks)."""
     if s.restore_step is None or s.restore_gen is None or not cfg.replicas:
         return {}
     point = (s.restore_step, s.restore_gen)
+    held = _replica_index(s, obs, cfg)
     out: dict[str, str] = {}
     for node, node_rank in s.assignment.items():
         mem = obs[node].memory if node in obs else {}
@@ -63,14 +82,9 @@ def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dic
             rank = node_rank * cfg.nproc_per_node + i
             if point in {tuple(p) for p in mem.get(rank, [])}:
                 continue
-            for n, o in sorted(obs.items()):
-                if (
-                    n != node
-                    and o.replica_addr
-                    and _healthy(s, n)
-                    and point in {tuple(p) for p in o.replicas.get(rank, [])}
-                ):
-                    out[str(rank)] = o.replica_addr
+            for n, addr, points in held.get(rank, []):
+                if n != node and point in points:
+                    out[str(rank)] = addr
                     break
     return out
 

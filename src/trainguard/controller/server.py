@@ -39,8 +39,9 @@ from trainguard.controller.api import (
     Pool,
     WorkerObs,
 )
+from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
-from trainguard.controller.jobstate import next_incarnation
+from trainguard.controller.jobstate import Inputs, next_incarnation
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
@@ -52,6 +53,7 @@ TICK_S = 0.1
 PERSIST_S = 1.0  # the state is persisted on every transition, else at most this often
 FULL_PUBLISH_S = 2.0  # every node's desired state is recomputed at least this often
 MAX_WAIT_S = 30.0
+LISTEN_BACKLOG = 4096  # pending connections (the kernel caps it at net.core.somaxconn)
 # New nodes are checked together: a run starts when the expected count has reported, or when
 # no new node has appeared for this long.
 SETTLE_S = 1.5
@@ -89,9 +91,7 @@ def _signature(s: JobState) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def _fold_steps(
-    old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]]
-) -> dict[int, int]:
+def _fold_steps(old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]]) -> dict[int, int]:
     """``NodeObs.steps_seen`` after one more report: the old fold, the steps its workers show
     now, and its step records; the newest STEPS_SEEN_GENERATIONS generations kept."""
     seen = dict(old.steps_seen) if old is not None else {}
@@ -157,6 +157,7 @@ class Controller:
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(time.time() * 1000)
         self.obs: dict[str, NodeObs] = {}
+        self._inputs = Inputs()  # for the next decide (the executor never edits the state)
         self._desired: dict[str, tuple[int, dict[str, Any]]] = {}
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
@@ -239,7 +240,10 @@ class Controller:
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        # Every agent connects at once at the start and after a controller restart: with
+        # aiohttp's default backlog (128) the kernel drops SYNs past it and each dropped
+        # client waits the 1 s SYN retransmit (seen as a 1 s p99 at 1,024 agents).
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=LISTEN_BACKLOG)
         await site.start()
         server = site._server
         assert server is not None and server.sockets  # type: ignore[attr-defined]
@@ -252,7 +256,7 @@ class Controller:
         return self.state
 
     def request_stop(self) -> None:
-        self.state.stop_requested = True
+        self._inputs.stop_requested = True
 
     async def close(self) -> None:
         if self._tick_task is not None:
@@ -451,14 +455,12 @@ class Controller:
             kind = ev.pop("kind")
             ts = ev.pop("ts", None)
             self.store.record(kind, ev, ts=ts)
-            if kind == "inject_fired" and ev["inject"]["id"] not in self.state.fired:
-                self.state.fired.append(int(ev["inject"]["id"]))
+            if kind == "inject_fired":
+                self._inputs.fired.append(int(ev["inject"]["id"]))
             if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
                 self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
             if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
-                point = [int(ev["step"]), int(ev["point_generation"])]
-                if point not in self.state.unusable:
-                    self.state.unusable.append(point)
+                self._inputs.unusable.append((int(ev["step"]), int(ev["point_generation"])))
             if kind in ("ckpt_load_start", "ckpt_load_end"):
                 self._mark(kind, int(ev.get("generation", -1)), int(ev["rank"]), float(ts or now))
         for batch in body.get("steps", []):
@@ -492,7 +494,7 @@ class Controller:
             self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
             return
         why = f"straggler: rank {data['rank']} computes {data['score']}x the median"
-        self.state.evict[str(node)] = why
+        self._inputs.evict[str(node)] = why
 
     def _mark(self, kind: str, gen: int, rank: int, ts: float) -> None:
         rec = self.state.recovery
@@ -501,10 +503,8 @@ class Controller:
         marks = self._marks.setdefault(f"{gen}:{kind}", {})
         marks[rank] = ts
         if len(marks) == world_of(self.state, self.cfg):
-            if kind == "ckpt_load_start":
-                rec.t_rendezvous = max(marks.values())
-            else:
-                rec.t_loaded = max(marks.values())
+            name = "t_rendezvous" if kind == "ckpt_load_start" else "t_loaded"
+            self._inputs.milestones.append((gen, name, max(marks.values())))
 
     def _on_steps(self, gen: int, rank: int, items: list[dict[str, Any]]) -> None:
         if gen in self._first_step_gen or not items:
@@ -520,22 +520,8 @@ class Controller:
         self.store.record(
             "first_step", {"generation": gen, "step": first["step"], "t": max(marks.values())}
         )
-        rec = self.state.recovery
-        if rec is not None and rec.to_generation == gen:
-            rec.t_first_step = max(marks.values())
-            if (
-                rec.t_rendezvous is None
-            ):  # nothing restored: rendezvous ends when the first step starts
-                rec.t_rendezvous = rec.t_loaded = max(starts.values())
-            self.store.record("recovery_completed", {"generation": gen, **rec.to_json()})
-            log.info(
-                "[gen %d] recovered in %.2fs: %s",
-                gen,
-                rec.durations()["total"] or -1,
-                {k: round(v, 3) for k, v in rec.durations().items() if v is not None},
-            )
-            self.state.recoveries.append(rec)
-            self.state.recovery = None
+        self._inputs.milestones.append((gen, "t_first_step_start", max(starts.values())))
+        self._inputs.milestones.append((gen, "t_first_step", max(marks.values())))
 
     # ------------------------------------------------------------------ tick
     def _durable(self) -> list[tuple[int, int]]:
@@ -591,9 +577,17 @@ class Controller:
             self._check_only_tick(time.time())
             return
         ckpt = self._durable() if needs_ckpt else []
-        new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt)
+        inputs, self._inputs = self._inputs, Inputs()
+        new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt, inputs)
         for kind, data in events:
             self.store.record(kind, data)
+            if kind == "recovery_completed":
+                log.info(
+                    "[gen %d] recovered in %.2fs: %s",
+                    data["generation"],
+                    data["durations_s"]["total"] or -1,
+                    {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None},
+                )
             if kind == "fault" and data["cause"] == "hang":
                 self.monitor.alert("hang_localized", data)
                 self.store.record("hang_localized", data)
@@ -691,34 +685,19 @@ class Controller:
             pf.verdicts.pop(node, None)  # unchecked again: the next run takes it
 
     def _check_only_tick(self, now: float) -> None:
-        pf, s = self.preflight, self.state
+        pf = self.preflight
         assert pf is not None
         alive = [n for n in sorted(self.obs) if self._alive(n, now)]
-        waited = now - s.phase_since
-        if s.phase.terminal:
-            pass
-        elif s.stop_requested:
-            s.phase, s.reason = Phase.STOPPED, "stopped by request"
-        elif pf.active is None and s.phase == Phase.PENDING:
-            if len(alive) >= self.cfg.nodes or (alive and waited > self.cfg.join_timeout_s):
-                pf.start(alive, f"trainguard check ({len(alive)} of {self.cfg.nodes} nodes)", now)
-                s.phase = Phase.RUNNING
-            elif waited > self.cfg.join_timeout_s:
-                s.phase, s.reason = Phase.FAILED, f"no agent joined in {self.cfg.join_timeout_s}s"
-        elif pf.active is None and s.phase == Phase.RUNNING:
-            run = pf.runs[max(pf.runs)]
-            for n in run.nodes:
-                bad = run.problems.get(n)
-                s.pools[n] = Pool.FAULTY if bad else Pool.STANDBY
-                how = "inconclusive (the check itself failed)" if n in run.unsure else "failed"
-                why = f"{how} pre-flight: " + "; ".join(bad) if bad else "passed pre-flight"
-                self.store.record(
-                    "pool_changed", {"node": n, "from": None, "to": s.pools[n].value, "reason": why}
-                )
-            passed = sum(1 for n in run.nodes if not run.problems.get(n))
-            s.phase, s.reason = Phase.SUCCEEDED, f"{passed} of {len(run.nodes)} nodes passed"
-            if run.unsure:
-                s.reason += f", {len(run.unsure)} inconclusive (run the check again)"
+        last = pf.runs[max(pf.runs)] if pf.runs else None
+        inputs, self._inputs = self._inputs, Inputs()
+        new, events, start = decide_check(
+            self.state, alive, pf.active is not None, last, now, self.cfg, inputs
+        )
+        if start:
+            pf.start(start, f"trainguard check ({len(start)} of {self.cfg.nodes} nodes)", now)
+        for kind, data in events:
+            self.store.record(kind, data)
+        self.state = new
         self._persist_and_publish()
 
     def _all_back(self) -> bool:
