@@ -106,6 +106,17 @@ class Inputs:
         )
 
 
+def merge_inputs(a: Inputs, b: Inputs) -> Inputs:
+    """``a`` then ``b`` in one (inputs a failed tick took back, and those since)."""
+    return Inputs(
+        stop_requested=a.stop_requested or b.stop_requested,
+        fired=a.fired + b.fired,
+        unusable=a.unusable + b.unusable,
+        evict={**a.evict, **b.evict},
+        milestones=a.milestones + b.milestones,
+    )
+
+
 MILESTONES = ("t_rendezvous", "t_loaded", "t_first_step_start", "t_first_step")
 
 

@@ -41,7 +41,7 @@ from trainguard.controller.api import (
 )
 from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
-from trainguard.controller.jobstate import Inputs, next_incarnation
+from trainguard.controller.jobstate import Inputs, merge_inputs, next_incarnation
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
@@ -49,6 +49,7 @@ from trainguard.health.coordinator import Preflight, Verdict
 from trainguard.health.judge import CheckConfig
 
 log = logging.getLogger("trainguard.controller")
+Event = tuple[str, dict[str, Any]]
 TICK_S = 0.1
 PERSIST_S = 1.0  # the state is persisted on every transition, else at most this often
 FULL_PUBLISH_S = 2.0  # every node's desired state is recomputed at least this often
@@ -524,36 +525,35 @@ class Controller:
         self._inputs.milestones.append((gen, "t_first_step", max(marks.values())))
 
     # ------------------------------------------------------------------ tick
-    def _durable(self) -> list[tuple[int, int]]:
-        """Verified committed (step, generation) pairs of the durable tier. Each copy is
-        verified once (a copy = a step and the generation that committed it); a copy a rank
-        could not read later is left out (``JobState.unusable``)."""
+    def _durable(self, unusable: list[list[int]]) -> tuple[list[tuple[int, int]], list[Event]]:
+        """Verified committed (step, generation) pairs of the durable tier, and the events to
+        record. Each copy is verified once (a copy = a step and the generation that committed
+        it); a copy a rank could not read later is left out (``unusable``). Reads files: runs
+        off the event loop."""
         root = Path(self.cfg.ckpt_dir)
-        out = []
+        out, events = [], []
         for step in storage.list_committed(root):
             copy = (step, storage.committed_generation(root, step))
             if copy not in self._verified:
                 problems = storage.verify(root, step)
                 self._verified[copy] = not problems
                 if problems:
-                    self.store.record(
-                        "checkpoint_corrupt",
-                        {"step": step, "tier": "durable", "problems": problems},
+                    events.append(
+                        (
+                            "checkpoint_corrupt",
+                            {"step": step, "tier": "durable", "problems": problems},
+                        )
                     )
-            if self._verified[copy] and list(copy) not in self.state.unusable:
+            if self._verified[copy] and list(copy) not in unusable:
                 out.append(copy)
-        return out
+        return out, events
 
-    def _tick(self) -> None:
+    def _gate(self) -> bool:
+        """Whether this tick may decide: not after the end, not on stale observations (after
+        a controller restart or a freeze of this process, until every node reported again or
+        ``node_timeout_s`` passed)."""
         if self.state.phase.terminal and self._done.is_set():
-            return
-        needs_ckpt = self.state.phase in (
-            Phase.PENDING,
-            Phase.STOPPING,
-            Phase.CLEANING,
-            Phase.REPLACING,
-            Phase.WAITING_FOR_NODES,
-        )
+            return False
         mono = time.monotonic()
         gap, self._last_tick = mono - self._last_tick, mono
         if gap > max(2.0, self.cfg.node_timeout_s / 2):
@@ -565,8 +565,17 @@ class Controller:
             log.warning("controller was frozen for %.1fs: waiting for fresh reports", gap)
         if self._resume_until:
             if time.time() < self._resume_until and not self._all_back():
-                return  # after a controller restart: let every node report before deciding
+                return False  # after a controller restart: let every node report first
             self._resume_until = 0.0
+        return True
+
+    async def _tick(self) -> None:
+        """One coalesced decision over every report since the last: the pre-flight advanced,
+        then ``decide`` (with the durable tier's scan and the desired states it changes, in a
+        worker thread over a snapshot of the observations, so reports are answered while it
+        runs), then its effects: events recorded, state persisted, long polls woken."""
+        if not self._gate():
+            return
         if self.preflight is not None:
             try:
                 self._preflight_tick(time.time())
@@ -576,45 +585,75 @@ class Controller:
         if self.check_only:
             self._check_only_tick(time.time())
             return
-        ckpt = self._durable() if needs_ckpt else []
+        obs = dict(self.obs)  # reports that arrive meanwhile go to the next tick
         inputs, self._inputs = self._inputs, Inputs()
-        new, events = decide(self.state, self.obs, time.time(), self.cfg, ckpt, inputs)
+        full = self._full_publish_due()
+        nodes = list(obs) if full else [n for n in self._dirty if n in obs]
+        self._dirty = set()
+        try:
+            new, events, wants = await asyncio.to_thread(
+                self._decide, self.state, obs, inputs, nodes
+            )
+        except BaseException:
+            self._inputs = merge_inputs(inputs, self._inputs)  # nothing learned is dropped
+            self._full_publish = True
+            raise
         for kind, data in events:
             self.store.record(kind, data)
-            if kind == "recovery_completed":
-                log.info(
-                    "[gen %d] recovered in %.2fs: %s",
-                    data["generation"],
-                    data["durations_s"]["total"] or -1,
-                    {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None},
-                )
-            if kind == "fault" and data["cause"] == "hang":
-                self.monitor.alert("hang_localized", data)
-                self.store.record("hang_localized", data)
-            if kind == "fault_refined":
-                log.info(
-                    "[gen %s] fault re-attributed: %s",
-                    data["generation"],
-                    data["message"].splitlines()[0][:200],
-                )
-            if kind == "phase":
-                log.info(
-                    "[gen %s] %s → %s: %s",
-                    data["generation"],
-                    data["from"],
-                    data["to"],
-                    data["reason"],
-                )
+            self._log_event(kind, data)
         if new.recovery is not None and self.state.recovery is None:
-            self._marks.clear()
+            self._marks.clear()  # a new recovery: its milestones are counted afresh
         self.state = new
         sig = _signature(new)
         changed, self._signature = bool(events) or sig != self._signature, sig
-        self._persist_and_publish(changed=changed)
+        if changed and not full:  # the state changed: every node's desired state may have
+            wants = await asyncio.to_thread(self._wants, new, obs, list(obs))
+        self._persist(changed)
+        self._apply_wants(wants)
 
-    def _persist_and_publish(self, changed: bool = True) -> None:
+    def _decide(
+        self, s: JobState, obs: dict[str, NodeObs], inputs: Inputs, nodes: list[str]
+    ) -> tuple[JobState, list[Event], dict[str, dict[str, Any]]]:
+        """decide and the desired states of ``nodes`` after it (in a worker thread: reads
+        only its arguments, ``self.cfg`` and the durable tier's files)."""
+        needs_ckpt = s.phase in (
+            Phase.PENDING,
+            Phase.STOPPING,
+            Phase.CLEANING,
+            Phase.REPLACING,
+            Phase.WAITING_FOR_NODES,
+        )
+        unusable = s.unusable + [list(p) for p in inputs.unusable]
+        ckpt, events = self._durable(unusable) if needs_ckpt else ([], [])
+        new, decided = decide(s, obs, time.time(), self.cfg, ckpt, inputs)
+        return new, events + decided, self._wants(new, obs, nodes)
+
+    def _wants(
+        self, s: JobState, obs: dict[str, NodeObs], nodes: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        ring = ring_of(s)
+        return {n: desired_for(s, n, obs, self.cfg, ring) for n in nodes if n in obs}
+
+    def _log_event(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "fault" and data["cause"] == "hang":
+            self.monitor.alert("hang_localized", data)
+            self.store.record("hang_localized", data)
+        elif kind == "fault_refined":
+            first = data["message"].splitlines()[0][:200]
+            log.info("[gen %s] fault re-attributed: %s", data["generation"], first)
+        elif kind == "phase":
+            log.info(
+                "[gen %s] %s → %s: %s",
+                data["generation"], data["from"], data["to"], data["reason"],
+            )  # fmt: skip
+        elif kind == "recovery_completed":
+            took = {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None}
+            total = data["durations_s"]["total"] or -1
+            log.info("[gen %d] recovered in %.2fs: %s", data["generation"], total, took)
+
+    def _persist(self, changed: bool) -> None:
         """Persist the state if it changed (checked on every transition, else at most once
-        per PERSIST_S: step counters move every tick) and publish desired states."""
+        per PERSIST_S: step counters move every tick); set done at the end."""
         now = time.monotonic()
         if changed or self.state.phase.terminal or now - self._last_persist >= PERSIST_S:
             self._last_persist = now
@@ -622,9 +661,15 @@ class Controller:
             if snapshot != self._last_state:
                 self._last_state = snapshot
                 self.store.put("state", json.loads(snapshot))
-        self._publish(full=changed)
         if self.state.phase.terminal:
             self._done.set()
+
+    def _persist_and_publish(self, changed: bool = True) -> None:
+        """Persist (``_persist``) and publish every node's desired state (on the loop: the
+        pre-flight's and trainguard check's path, a few nodes)."""
+        self._persist(changed)
+        self._full_publish = True
+        self._publish()
 
     def _alive(self, node_id: str, now: float) -> bool:
         o = self.obs.get(node_id)
@@ -705,32 +750,42 @@ class Controller:
         want = {n for n, p in self.state.pools.items() if p in (Pool.RUNNING, Pool.STANDBY)}
         return all(n in self.obs and self.obs[n].last_seen >= self._back_since for n in want)
 
-    def _publish(self, full: bool = True) -> None:
-        """Recompute the desired state of nodes and wake the long polls of those whose state
-        changed. ``full=False``: only the nodes that reported since the last publish, unless
-        a full pass is due (the job state changed, a node's address changed, a pre-flight
-        runs, or FULL_PUBLISH_S passed): a tick then costs what changed, not the cluster."""
+    def _full_publish_due(self) -> bool:
+        """Whether this tick recomputes every node's desired state: a node's address changed,
+        a pre-flight runs, trainguard check, or FULL_PUBLISH_S passed. Otherwise only the
+        nodes that reported since the last tick (and all of them if the job state changes):
+        a tick then costs what changed, not the cluster."""
         now = time.monotonic()
         full = (
-            full
-            or self._full_publish
+            self._full_publish
             or self.check_only
             or (self.preflight is not None and self.preflight.active is not None)
             or now - self._last_full_publish > FULL_PUBLISH_S
         )
-        nodes = list(self.obs) if full else [n for n in self._dirty if n in self.obs]
         if full:
             self._last_full_publish, self._full_publish = now, False
-        self._dirty.clear()
-        ring = ring_of(self.state)
+        return full
+
+    def _publish(self) -> None:
+        """Recompute the desired states due (``_full_publish_due``) here on the loop."""
+        full = self._full_publish_due()
+        nodes = list(self.obs) if full else [n for n in self._dirty if n in self.obs]
+        self._dirty = set()
+        if self.check_only and not self.state.phase.terminal:
+            wants: dict[str, dict[str, Any]] = {
+                n: {"action": "idle", "nproc_per_node": 0} for n in nodes
+            }
+        else:
+            wants = self._wants(self.state, self.obs, nodes)
+        self._apply_wants(wants)
+
+    def _apply_wants(self, wants: dict[str, dict[str, Any]]) -> None:
+        """Give each node its desired state (a pre-flight task replaces an idle one), with a
+        new version where it changed, and wake the long polls if any did."""
         changed = False
-        for node_id in nodes:
-            if self.check_only and not self.state.phase.terminal:
-                want: dict[str, Any] = {"action": "idle", "nproc_per_node": 0}
-            else:
-                want = desired_for(self.state, node_id, self.obs, self.cfg, ring)
+        for node_id, want in wants.items():
             task = None
-            if self.preflight is not None and want["action"] == "idle":
+            if self.preflight is not None and want["action"] == "idle" and node_id in self.obs:
                 task = self.preflight.task_for(node_id, self.obs[node_id].clock_skew_s)
             if task is not None:
                 want = {"action": "check", "task": task}
@@ -751,7 +806,7 @@ class Controller:
         interval = min(1.0, max(TICK_S, self.cfg.heartbeat_s / 10))
         while True:
             try:
-                self._tick()
+                await self._tick()
             except Exception:  # a bug here must not silently stop the job: log and keep ticking
                 log.exception("controller tick failed")
             await asyncio.sleep(interval)
