@@ -74,7 +74,7 @@ def _sim(
         nid, inc = f"n{i}", f"inc{i}-{os.getpid()}"
         gen: int | None = None
         stopped, step, rank = -1, 0, 0
-        action = "idle"
+        action, version = "idle", 0
         backoff, failed, seen_epoch = 0.1, False, 0.0
         await asyncio.sleep(random.uniform(0, heartbeat_s))
         while not stop.is_set():
@@ -92,6 +92,7 @@ def _sim(
             body = {
                 "v": 1, "node_id": nid, "addr": f"10.0.{i // 250}.{i % 250 + 1}",
                 "incarnation": inc, "generation": gen if action == "run" else None,
+                "desired_version": version,
                 "workers": workers, "stopped_generation": stopped, "events": [], "steps": [],
                 "memory": {}, "replicas": {}, "time": time.time(),
                 "store": [gen, 29500] if action == "run" and rank == 0 else None,
@@ -110,7 +111,10 @@ def _sim(
                         back.value += 1
                 if i == VICTIM:
                     killed_at.value = time.time()  # its last report the controller took
-                d = reply["desired"]
+                if "desired" not in reply:  # unchanged since the last reply
+                    await asyncio.sleep(heartbeat_s * random.uniform(0.9, 1.1))
+                    continue
+                version, d = int(reply["version"]), reply["desired"]
                 action = d.get("action", "idle")
                 if action == "run":
                     gen, rank = int(d["generation"]), int(d["node_rank"])
@@ -141,6 +145,39 @@ def _raise_fd_limit() -> None:
     to the hard one."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _scrape(addr: str, token: str) -> dict[str, list[tuple[float, float]]]:
+    """Cumulative histogram buckets (upper bound s, count) of the controller's
+    ``trainguard_report_handling_seconds`` and ``trainguard_tick_seconds``, parsed with
+    prometheus_client's text parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(
+        f"http://{addr}/metrics", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[float, float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in ("trainguard_report_handling_seconds", "trainguard_tick_seconds"):
+            out[fam.name] = [
+                (float(x.labels["le"]), x.value) for x in fam.samples if x.name.endswith("_bucket")
+            ]
+    return out
+
+
+def _bucket_q(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> str:
+    """The ``q`` quantile between two scrapes as the histogram bucket holding it ("<= X ms")."""
+    prev = dict(before)
+    counts = [(le, c - prev.get(le, 0.0)) for le, c in after]
+    total = counts[-1][1] if counts else 0.0
+    for le, c in counts:
+        if total and c >= q * total:
+            return f"<={le * 1000:g} ms" if le != float("inf") else "> 1 s"
+    return "n/a"
 
 
 def _ms(sorted_s: list[float], q: float) -> float | None:
@@ -181,10 +218,15 @@ def measure(
            "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
            "--nproc-per-node", str(NPROC), str(SCRIPT)]  # fmt: skip
 
+    started: list[subprocess.Popen[bytes]] = []  # every controller, killed at the end
+
     def start_controller() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, preexec_fn=_raise_fd_limit
+        started.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, preexec_fn=_raise_fd_limit
+            )
         )
+        return started[-1]
 
     ctl = start_controller()
     sims: list[mp.Process] = []
@@ -225,10 +267,19 @@ def measure(
         wait_until(running, 600, f"{n} nodes to join and run")
         join_s = time.monotonic() - t_join
         time.sleep(min(5.0, measure_s))  # settle
+        h0 = _scrape(addr, token)
         c0, w0, steady_from = _cpu_s(ctl.pid), time.monotonic(), time.time()
         time.sleep(measure_s)
         cores = (_cpu_s(ctl.pid) - c0) / (time.monotonic() - w0)
         steady_to = time.time()
+        h1 = _scrape(addr, token)
+        rep, tick = "trainguard_report_handling_seconds", "trainguard_tick_seconds"
+        server_side = {
+            "report_handling_p50": _bucket_q(h0[rep], h1[rep], 0.5),
+            "report_handling_p99": _bucket_q(h0[rep], h1[rep], 0.99),
+            "tick_p50": _bucket_q(h0[tick], h1[tick], 0.5),
+            "tick_p99": _bucket_q(h0[tick], h1[tick], 0.99),
+        }
         rss = _rss_mb(ctl.pid)
         after_restart: dict[str, Any] = {}
         if restart:
@@ -262,8 +313,13 @@ def measure(
         steady = sorted(d for t, d in sent if steady_from <= t <= steady_to)
         if os.environ.get("TG_SCALE_DEBUG"):
             slow = sorted(round(t - steady_from, 1) for t, d in sent if d > 0.3)
-            print("slow reports at (s from steady start):", slow[:: max(1, len(slow) // 40)],
-                  "fault at", round(float(fault["t_detected"]) - steady_from, 1), file=sys.stderr)
+            print(
+                "slow reports at (s from steady start):",
+                slow[:: max(1, len(slow) // 40)],
+                "fault at",
+                round(float(fault["t_detected"]) - steady_from, 1),
+                file=sys.stderr,
+            )
         if restart and returned:
             t_up = after_restart.pop("t_up")
             spread = sorted(t - t_up for t in returned if t >= t_up)
@@ -286,6 +342,8 @@ def measure(
             # over the measured window of steady training only (no join, restart or fault)
             "steady_report_p50_ms": _ms(steady, 0.5),
             "steady_report_p99_ms": _ms(steady, 0.99),
+            # the controller's own histograms over the same window (bucket bounds)
+            "controller_side": server_side,
             "fault": fault["cause"],
             "fault_node": fault["node_id"],
             "detect_after_last_heartbeat_s": round(detect_s, 2),
@@ -299,12 +357,14 @@ def measure(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        ctl.send_signal(signal.SIGTERM)
-        try:
-            ctl.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            ctl.kill()
-            ctl.wait()
+        for c in started:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+            try:
+                c.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
         log.close()
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
 
@@ -369,7 +429,10 @@ def main() -> int:
                 f"{row['join_s']}s; controller {row['controller_cores']} cores, "
                 f"{row['controller_rss_mb']} MB; report p50 {row['report_p50_ms']} ms, p99 "
                 f"{row['report_p99_ms']} ms (steady training: p50 {row['steady_report_p50_ms']}, "
-                f"p99 {row['steady_report_p99_ms']} ms); lost node decided {row['detect_after_last_heartbeat_s']}s "
+                f"p99 {row['steady_report_p99_ms']} ms; in the controller: handling p99 "
+                f"{row['controller_side']['report_handling_p99']}, tick p50 "
+                f"{row['controller_side']['tick_p50']} p99 {row['controller_side']['tick_p99']}); "
+                f"lost node decided {row['detect_after_last_heartbeat_s']}s "
                 f"after its last heartbeat ({row['fault']}), standby generation "
                 f"{row['replacement_decided_s']}s later",
                 flush=True,

@@ -91,7 +91,7 @@ def validate_report(body: Any) -> None:
           f"{PROTOCOL_VERSION}; upgrade the controller or run an agent of its version")  # fmt: skip
     for key in ("node_id", "addr", "incarnation"):
         _name(body, key)
-    for key in ("generation", "stopped_generation", "fenced_generation"):
+    for key in ("generation", "stopped_generation", "fenced_generation", "desired_version"):
         _int_or_none(body, key)
     for w in _items(body, "workers", dict):
         _need(type(w.get("rank")) is int, "workers[].rank: an integer")

@@ -727,6 +727,7 @@ class Agent:
             "addr": self.cfg.addr,
             "incarnation": self.incarnation,
             "generation": self.generation,
+            "desired_version": self._desired[0],  # the reply then omits a desired state it has
             "workers": [w.observe(now) for w in list(self.workers.values())],
             "hang": self._hang,
             "stopped_generation": self._stopped_generation,

@@ -283,20 +283,14 @@ def _stuck_at_exit(
 
 
 def _wedged_without_runtime(
-    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig, gen: int
+    s: JobState, cfg: JobConfig, workers: list[tuple[str, WorkerObs]]
 ) -> tuple[str, WorkerObs, float] | None:
     """A generation whose script runs no trainguard runtime, in which every rank's processes
     used no CPU for the hang timeout (fixed, else its ceiling): (node, the rank idle longest,
     limit). One idle rank alone is no verdict: it may wait for a busy peer."""
-    if s.phase != Phase.RUNNING:
-        return None
-    live = [
-        (n, w)
-        for n in s.assignment
-        if n in obs and obs[n].generation == gen
-        for w in obs[n].workers.values()
-        if w.state == "running"
-    ]
+    if s.phase != Phase.RUNNING or (workers and workers[0][1].runtime):
+        return None  # any rank with the runtime rules this out (the first, checked cheaply)
+    live = [(n, w) for n, w in workers if w.state == "running"]
     limit = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else cfg.hang_timeout_max_s
     if len(live) < world_of(s, cfg) or any(w.runtime for _, w in live):
         return None
@@ -306,9 +300,29 @@ def _wedged_without_runtime(
     return None
 
 
-def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Fault | None:
-    """First fault of the current generation, culprit localized where the reports allow."""
+def gen_workers(s: JobState, obs: dict[str, NodeObs]) -> list[tuple[str, WorkerObs]]:
+    """(node, worker) of every worker the assigned nodes report for the current generation:
+    one pass over the reports per tick, shared by the checks below."""
     gen = s.generation
+    return [
+        (n, w)
+        for n in s.assignment
+        if n in obs and obs[n].generation == gen
+        for w in obs[n].workers.values()
+    ]
+
+
+def _detect_fault(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    workers: list[tuple[str, WorkerObs]] | None = None,
+) -> Fault | None:
+    """First fault of the current generation, culprit localized where the reports allow.
+    ``workers``: ``gen_workers(s, obs)`` if the caller has it."""
+    gen = s.generation
+    workers = gen_workers(s, obs) if workers is None else workers
     lost = _lost(s, obs, now, cfg)
     if lost:
         n = lost[0]
@@ -322,13 +336,7 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
     if fenced:
         why = f"node {fenced[0]} stopped its workers: it lost contact with the controller"
         return _node_fault(s, "node_fenced", fenced[0], now, now, why)
-    failed = [
-        (w.exited_at or now, n, w)
-        for n in s.assignment
-        if n in obs
-        for w in obs[n].workers.values()
-        if obs[n].generation == gen and w.state == "failed"
-    ]
+    failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
     culprits = [f for f in failed if not _victim(f[2].error)]
     settle_s = 2 * cfg.heartbeat_s
     if failed and not culprits and now - min(f[0] for f in failed) < settle_s:
@@ -339,9 +347,7 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         first = min(f[0] for f in failed)
         early = [
             (w.exited_at, n, w)
-            for n in s.assignment
-            if n in obs and obs[n].generation == gen
-            for w in obs[n].workers.values()
+            for n, w in workers
             if w.state == "succeeded" and w.exited_at is not None and w.exited_at <= first
         ]
         if early:
@@ -356,19 +362,12 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
     hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
-    live = [w for n in s.assignment if n in obs for w in obs[n].workers.values()
-            if obs[n].generation == gen and w.state == "running"]  # fmt: skip
+    live = [w for _, w in workers if w.state == "running"]
     if hung and len(live) < world_of(s, cfg) and not failed:
         hung = []  # the others exited 0: the last ranks are finishing; exit_grace_s bounds it
     if hung and any(w.in_trainguard for w in live):
         hung = []  # a rank waits inside trainguard (ckptd, a slot, durability): its deadlines bound it
     if hung:
-        workers = [
-            (n, w)
-            for n in s.assignment
-            if n in obs and obs[n].generation == gen
-            for w in obs[n].workers.values()
-        ]
         n, w, how, waiting = localize_hang(workers, 2 * cfg.heartbeat_s + 1)
         victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
         return Fault(
@@ -383,7 +382,7 @@ def _detect_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConf
             + (f", at step {w.step}" if w.step is not None else "")
             + victims,
         )
-    wedged = _wedged_without_runtime(s, obs, cfg, gen)
+    wedged = _wedged_without_runtime(s, cfg, workers)
     if wedged is not None:
         n, w, limit = wedged
         return Fault(
@@ -507,13 +506,9 @@ def decide(
         store = obs[master].store if master in obs else None
         if s.master_port is None and store is not None and store[0] == gen:
             s.master_port = store[1]
-        fault = _detect_fault(s, obs, now, cfg)
-        workers = [
-            w
-            for n in s.assignment
-            if n in obs and obs[n].generation == gen
-            for w in obs[n].workers.values()
-        ]
+        both = gen_workers(s, obs)
+        fault = _detect_fault(s, obs, now, cfg, both)
+        workers = [w for _, w in both]
         if fault is not None:
             s.recovery = Recovery(fault=fault, from_generation=gen)
             events.append(("fault", fault.to_json()))

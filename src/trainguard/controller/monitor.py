@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from trainguard.controller.analysis import AnomalyDetector, DetectConfig, Event, StragglerDetector
 
@@ -66,6 +66,19 @@ class Monitor:
         self.g_gen = Gauge("trainguard_generation", "Newest generation", registry=r)
         self.g_restarts = Gauge("trainguard_restarts", "Restarts after faults", registry=r)
         self.g_nodes = Gauge("trainguard_nodes", "Nodes per pool", ["pool"], registry=r)
+        self.h_report = Histogram(
+            "trainguard_report_handling_seconds",
+            "Time the controller spent on one agent report, from its handler's start to the "
+            "answer (queueing before the handler not included)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
+        self.h_tick = Histogram(
+            "trainguard_tick_seconds",
+            "Duration of one coalesced decision tick (decide and desired states)",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
 
     def on_steps(
         self, generation: int, world: int, rank: int, items: list[dict[str, Any]]
