@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
-from trainguard.controller.decide import JobState, decide, desired_for
+from trainguard.controller.decide import JobState, decide
+from trainguard.controller.decide import desired_for as typed_desired_for
 from trainguard.controller.jobstate import state_from_json
 from trainguard.controller.server import state_json
+from trainguard.protocol import desired_from_json, desired_to_json
+
+
+def desired_for(*args: Any) -> dict[str, Any]:
+    """The node's desired state as it goes on the wire (and parses back to the same)."""
+    wire = desired_to_json(typed_desired_for(*args))
+    assert desired_from_json(wire) == typed_desired_for(*args)
+    return wire
+
 
 PEER_LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
 
@@ -548,7 +559,7 @@ def test_a_planned_stop_persists_the_newest_memory_snapshot_before_the_restart()
     23 is in its node's memory, step 20 on disk. The nodes' ckptds persist step 23 first and
     the bigger world restores it: the stop costs no step."""
     from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool
-    from trainguard.controller.decide import JobState, decide, desired_for
+    from trainguard.controller.decide import JobState, decide
 
     cfg = JobConfig(script="t.py", run_dir="/tmp/x", nodes=2, min_nodes=1, preflight="off")
     obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0) for n in ("a", "b")}

@@ -45,9 +45,11 @@ def test_a_sigstopped_worker_is_hung_after_the_floor(worker: Worker) -> None:
         time.sleep(0.05)
     assert worker.proc_state == "stopped"
     worker.last_hb_mono = time.monotonic()  # a runtime script too: stopped is stopped
-    assert outside.stalled(worker, DESIRED, time.monotonic()) is None  # not yet 0.5 s
+    assert (
+        outside.stalled(worker, DESIRED["hang_timeout_min_s"], time.monotonic()) is None
+    )  # not yet 0.5 s
     time.sleep(0.6)
-    seen = outside.stalled(worker, DESIRED, time.monotonic())
+    seen = outside.stalled(worker, DESIRED["hang_timeout_min_s"], time.monotonic())
     assert seen is not None and "stopped" in seen[2] and seen[0] > 0.5
     os.killpg(worker.proc.pid, signal.SIGCONT)
     outside.sample(worker, time.monotonic())
@@ -64,7 +66,9 @@ def test_cpu_idle_seconds_count_from_the_last_cpu_use(worker: Worker) -> None:
     outside.sample(worker, now)  # slept: no CPU since the first sample
     idle = worker.observe(now)["cpu_idle_s"]
     assert idle is not None and idle >= 1.2
-    assert outside.stalled(worker, DESIRED, now) is None  # idle alone is the controller's call
+    assert (
+        outside.stalled(worker, DESIRED["hang_timeout_min_s"], now) is None
+    )  # idle alone is the controller's call
 
 
 def test_timed_drills_come_due_after_their_seconds(worker: Worker) -> None:

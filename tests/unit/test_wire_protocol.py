@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
+from trainguard import protocol
 from trainguard.controller.api import scaled_timing
 from trainguard.protocol import PROTOCOL_VERSION, ProtocolError, validate_report
 
@@ -52,3 +56,54 @@ def test_the_heartbeat_scales_with_the_node_count() -> None:
     assert scaled_timing(4096) == (4.096, 20.48)
     hb, timeout = scaled_timing(16384)
     assert hb == 16.384 and timeout == 5 * hb  # five missed heartbeats
+
+
+CKPT = protocol.CkptConf(dir="/c", shm_dir="/dev/shm", keep=3, memory_tier=True)
+
+
+@pytest.mark.parametrize(
+    "desired",
+    [
+        protocol.Idle(),
+        protocol.Idle(nproc_per_node=8, ckpt=CKPT),
+        protocol.Shutdown(phase="SUCCEEDED", reason="all 16 ranks finished"),
+        protocol.Check(task={"run": 1, "stage": "node", "level": "quick"}),
+        protocol.Stop(generation=2, grace_s=15.0),
+        protocol.Stop(generation=2, grace_s=15.0, dump_stacks=True, persist=(40, 2)),
+        protocol.Run(
+            generation=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4,
+            master_addr="127.0.0.2", master_port=29500, host_store=True, restore_step=30,
+            restore_gen=0, restore_memory=True, ckpt=CKPT, restarts=1, max_restarts=3,
+            injects=[{"id": 0, "kind": "kill", "rank": 1, "step": 5}], script="train.py",
+            launch="script", log_dir=None, script_args=["--steps", "60"], hang_timeout_s=None,
+            hang_timeout_min_s=30.0, hang_timeout_max_s=600.0, first_step_timeout_s=600.0,
+            heartbeat_s=0.5, node_timeout_s=10.0, replica_peers=["127.0.0.3:4000"],
+            replica_sources={"3": "127.0.0.3:4000"},
+        ),
+    ],
+)  # fmt: skip
+def test_each_desired_state_type_survives_the_wire(desired: protocol.Desired) -> None:
+    wire = json.loads(json.dumps(protocol.desired_to_json(desired)))
+    assert wire["action"] in ("idle", "shutdown", "check", "stop", "run")
+    assert protocol.desired_from_json(wire) == desired
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ([], "a desired state is a JSON object"),
+        ({"action": "reboot"}, "desired.action: one of run, stop, idle, check, shutdown"),
+        ({"action": "stop", "grace_s": 1.0}, "desired stop"),
+        ({"action": "shutdown", "phase": "FAILED", "reason": "x", "extra": 1}, "desired shutdown"),
+        ({"action": "idle", "ckpt": {"dir": "/c"}}, "desired.ckpt"),
+    ],
+)
+def test_a_malformed_desired_state_is_refused_by_name(body: object, says: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        protocol.desired_from_json(body)
+
+
+def test_fault_causes_are_an_enum_that_reads_as_its_wire_string() -> None:
+    assert protocol.FaultCause.NODE_LOST == "node_lost"
+    assert json.dumps({"cause": protocol.FaultCause.HANG}) == '{"cause": "hang"}'
+    assert protocol.FaultCause("worker_crash") is protocol.FaultCause.WORKER_CRASH

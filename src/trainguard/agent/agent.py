@@ -42,6 +42,16 @@ from trainguard.agent.checks import CheckRunner
 from trainguard.agent.link import ControllerLink, HTTPStatusError, backoff_after
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
+from trainguard.protocol import (
+    Check,
+    CkptConf,
+    Desired,
+    Idle,
+    Run,
+    Shutdown,
+    Stop,
+    desired_from_json,
+)
 from trainguard.runtime import api as rt_api
 from trainguard.runtime import wire
 
@@ -78,16 +88,16 @@ def interface_of(addr: str) -> str | None:
     return "lo" if addr.startswith("127.") else None
 
 
-def hang_limit(desired: dict[str, Any], w: wk.Worker) -> float:
+def hang_limit(desired: Run, w: wk.Worker) -> float:
     """Seconds without progress after which worker ``w`` is hung (see CALIBRATION_FACTOR)."""
     if w.step is None:
-        return float(desired["first_step_timeout_s"])
-    if desired.get("hang_timeout_s") is not None:
-        return float(desired["hang_timeout_s"])
+        return desired.first_step_timeout_s
+    if desired.hang_timeout_s is not None:
+        return desired.hang_timeout_s
     longest = max(w.durations, default=0.0)
     return min(
-        float(desired["hang_timeout_max_s"]),
-        max(float(desired["hang_timeout_min_s"]), CALIBRATION_FACTOR * longest),
+        desired.hang_timeout_max_s,
+        max(desired.hang_timeout_min_s, CALIBRATION_FACTOR * longest),
     )
 
 
@@ -108,9 +118,9 @@ class Agent:
         self._report_now = threading.Event()
         self._shutdown = threading.Event()
         # No spares before the controller says how many (a node may be checked first).
-        self._desired: tuple[int, dict[str, Any]] = (0, {"action": "idle", "nproc_per_node": 0})
+        self._desired: tuple[int, Desired] = (0, Idle())
         self.generation: int | None = None
-        self._run_desired: dict[str, Any] = {}
+        self._run_desired: Run | None = None  # the generation whose workers run here
         self.workers: dict[int, wk.Worker] = {}
         self._hang = False
         self._hang_mono = 0.0  # when the hang was flagged
@@ -133,7 +143,7 @@ class Agent:
         self.report_port = self._sock.getsockname()[1]
         self._spare_log = open(cfg.run_dir / "logs" / f"spares.{cfg.node_id}.log", "ab")  # noqa: SIM115
         self.job_id = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
-        self._ckpt_cfg: dict[str, Any] | None = None
+        self._ckpt_cfg: CkptConf | None = None
         self._ckptd: subprocess.Popen[bytes] | None = None
         self._ckptd_client: ckptd_mod.CkptdClient | None = None
         self._memory: dict[str, Any] = {}
@@ -158,25 +168,25 @@ class Agent:
         env["TRAINGUARD_AGENT_PID"] = str(os.getpid())  # and their owner
         return env
 
-    def _worker_env(self, d: dict[str, Any], local_rank: int) -> dict[str, str]:
-        gen, nproc = int(d["generation"]), int(d["nproc_per_node"])
-        rank = int(d["node_rank"]) * nproc + local_rank
+    def _worker_env(self, d: Run, local_rank: int) -> dict[str, str]:
+        gen, nproc = d.generation, d.nproc_per_node
+        rank = d.node_rank * nproc + local_rank
         run_dir = str(self.cfg.run_dir.resolve())
         return {
             **self._base_env(),
             "RANK": str(rank),
             "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(d["world_size"]),
+            "WORLD_SIZE": str(d.world_size),
             "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": str(d["node_rank"]),
-            "GROUP_WORLD_SIZE": str(d["nnodes"]),
+            "GROUP_RANK": str(d.node_rank),
+            "GROUP_WORLD_SIZE": str(d.nnodes),
             "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(d["world_size"]),
+            "ROLE_WORLD_SIZE": str(d.world_size),
             "ROLE_NAME": "default",
-            "MASTER_ADDR": str(d["master_addr"]),
-            "MASTER_PORT": str(d["master_port"]),
-            "TORCHELASTIC_RESTART_COUNT": str(d["restarts"]),
-            "TORCHELASTIC_MAX_RESTARTS": str(d["max_restarts"]),
+            "MASTER_ADDR": str(d.master_addr),
+            "MASTER_PORT": str(d.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(d.restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(d.max_restarts),
             "TORCHELASTIC_RUN_ID": self.cfg.run_dir.name,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_ERROR_FILE": str(
@@ -186,20 +196,20 @@ class Agent:
             rt_api.ENV_TOKEN: self.cfg.token,
             rt_api.ENV_RUN_DIR: run_dir,
             rt_api.ENV_GENERATION: str(gen),
-            rt_api.ENV_RESTORE_STEP: "" if d["restore_step"] is None else str(d["restore_step"]),
-            rt_api.ENV_INJECT: json.dumps(d["injects"]),
+            rt_api.ENV_RESTORE_STEP: "" if d.restore_step is None else str(d.restore_step),
+            rt_api.ENV_INJECT: json.dumps(d.injects),
             # the runtime → agent beat stays local and fast whatever the report period
-            rt_api.ENV_HEARTBEAT_S: str(min(float(d["heartbeat_s"]), rt_api.DEFAULT_HEARTBEAT_S)),
-            rt_api.ENV_CKPT_DIR: str(d["ckpt"]["dir"]),
-            rt_api.ENV_RESTORE_GEN: "" if d.get("restore_gen") is None else str(d["restore_gen"]),
-            rt_api.ENV_RESTORE_MEMORY: "1" if d.get("restore_memory", True) else "0",
+            rt_api.ENV_HEARTBEAT_S: str(min(d.heartbeat_s, rt_api.DEFAULT_HEARTBEAT_S)),
+            rt_api.ENV_CKPT_DIR: str(d.ckpt.dir),
+            rt_api.ENV_RESTORE_GEN: "" if d.restore_gen is None else str(d.restore_gen),
+            rt_api.ENV_RESTORE_MEMORY: "1" if d.restore_memory else "0",
             rt_api.ENV_CKPTD: ckptd_mod.socket_name(self.job_id, self.cfg.node_id)
-            if d["ckpt"]["memory_tier"]
+            if d.ckpt.memory_tier
             else "",
-            rt_api.ENV_MEMORY_TIER: "1" if d["ckpt"]["memory_tier"] else "0",
-            rt_api.ENV_SHM_DIR: str(d["ckpt"]["shm_dir"]),
+            rt_api.ENV_MEMORY_TIER: "1" if d.ckpt.memory_tier else "0",
+            rt_api.ENV_SHM_DIR: str(d.ckpt.shm_dir),
             rt_api.ENV_JOB_ID: self.job_id,
-            rt_api.ENV_REPLICA_SOURCE: str(d.get("replica_sources", {}).get(str(rank), "")),
+            rt_api.ENV_REPLICA_SOURCE: str(d.replica_sources.get(str(rank), "")),
             rt_api.ENV_NODE_ID: self.cfg.node_id,
         }
 
@@ -258,14 +268,14 @@ class Agent:
     def _slots(self, shm_dir: str) -> list[Path]:
         return sorted(Path(shm_dir).glob(f"trainguard-{self.job_id}-{self.cfg.node_id}-*"))
 
-    def _ensure_ckptd(self, ckpt: dict[str, Any]) -> None:
+    def _ensure_ckptd(self, ckpt: CkptConf) -> None:
         """Start the node's ckptd, or restart it if it died (it re-adopts intact slots)."""
-        if not ckpt.get("memory_tier"):
+        if not ckpt.memory_tier:
             return
         if self._ckptd is not None and self._ckptd.poll() is None:
             return
         if self._ckptd is None:
-            for path in self._slots(ckpt["shm_dir"]):  # a (re)booted node's memory is empty
+            for path in self._slots(ckpt.shm_dir):  # a (re)booted node's memory is empty
                 path.unlink(missing_ok=True)
         else:
             self._event("ckptd_restarted", exit_code=self._ckptd.returncode)
@@ -274,9 +284,9 @@ class Agent:
             self._ckptd = ckptd_mod.spawn(
                 job=self.job_id,
                 node=self.cfg.node_id,
-                ckpt_dir=Path(ckpt["dir"]),
-                shm_dir=Path(ckpt["shm_dir"]),
-                keep=int(ckpt["keep"]),
+                ckpt_dir=Path(ckpt.dir),
+                shm_dir=Path(ckpt.shm_dir),
+                keep=ckpt.keep,
                 log=self.cfg.run_dir / "logs" / f"ckptd.{self.cfg.node_id}.log",
                 env={
                     **os.environ,
@@ -323,19 +333,21 @@ class Agent:
         self._ckptd_silent_since = None
         self._memory = st["memory"]
         self._ckptd_idle = bool(st.get("idle", True))
-        persist = self._desired[1].get("persist")
-        if persist is not None and (persist["step"], persist["generation"]) != self._persisted:
+        desired = self._desired[1]
+        persist = desired.persist if isinstance(desired, Stop) else None
+        if persist is not None and persist != self._persisted:
             try:  # a planned stop: write the newest snapshot held in memory to the durable tier
-                reply = self._ckptd_client.call({"op": "persist", **persist}, timeout_s=5.0)
-                self._persisted = (persist["step"], persist["generation"])
-                log.info(
-                    "persisting step %d from memory (ranks %s)", persist["step"], reply["ranks"]
+                step, gen = persist
+                reply = self._ckptd_client.call(
+                    {"op": "persist", "step": step, "generation": gen}, timeout_s=5.0
                 )
+                self._persisted = persist
+                log.info("persisting step %d from memory (ranks %s)", step, reply["ranks"])
             except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
-                log.warning("asking ckptd to persist step %s failed: %s", persist["step"], e)
+                log.warning("asking ckptd to persist step %s failed: %s", persist[0], e)
         self._replicas = st.get("replicas", {})
         self._replica_addr = st.get("replica_addr")
-        want = list(self._desired[1].get("replica_peers", []))
+        want = list(desired.replica_peers) if isinstance(desired, Run) else []
         if want != self._replica_peers:
             try:
                 self._ckptd_client.call({"op": "set_peers", "addrs": want}, timeout_s=2.0)
@@ -361,13 +373,11 @@ class Agent:
             self._ckptd.kill()
             self._ckptd.wait(timeout=5.0)
         if self._ckpt_cfg is not None:
-            for path in self._slots(self._ckpt_cfg["shm_dir"]):
+            for path in self._slots(self._ckpt_cfg.shm_dir):
                 path.unlink(missing_ok=True)
 
     def _health(self) -> dict[str, Any]:
-        shm = (
-            Path(self._ckpt_cfg.get("shm_dir", "/dev/shm")) if self._ckpt_cfg else Path("/dev/shm")
-        )
+        shm = Path(self._ckpt_cfg.shm_dir if self._ckpt_cfg else "/dev/shm")
         ok, problems = host_health(self.cfg.run_dir, shm)
         return {"ok": ok, "problems": problems}
 
@@ -376,17 +386,20 @@ class Agent:
         the job has moved on without us, so our workers must not go on (nor checkpoint)."""
         d = self._run_desired
         running = [w for w in self.workers.values() if w.state == "running"]
-        if not running or not d:
+        if not running or d is None:
             return
         silent = time.monotonic() - self._last_report_ok
-        if silent > float(d.get("node_timeout_s", 10.0)):
+        if silent > d.node_timeout_s:
             log.warning("no controller contact for %.1fs: stopping our workers (fencing)", silent)
             self._event("fenced", generation=self.generation, silent_s=round(silent, 1))
             self._fenced_generation = self.generation if self.generation is not None else -1
             with self._lock:  # idle until the controller says otherwise (a newer version)
-                self._desired = (self._desired[0], {"action": "idle", "ckpt": d["ckpt"]})
+                self._desired = (
+                    self._desired[0],
+                    Idle(nproc_per_node=d.nproc_per_node, ckpt=d.ckpt),
+                )
             self._stop_workers(grace_s=1.0)
-            self._run_desired = {}
+            self._run_desired = None
 
     def _warm_torch(self) -> None:
         import torch.distributed  # noqa: F401  (the store below needs it; import once, early)
@@ -395,35 +408,35 @@ class Agent:
     def _reconcile(self) -> bool:
         """Act on the desired state. Returns True when the agent should exit."""
         _, d = self._desired
-        action = d.get("action")
-        if action == "shutdown":
-            log.info("job ended (%s: %s); agent exiting", d.get("phase"), d.get("reason"))
+        if isinstance(d, Shutdown):
+            log.info("job ended (%s: %s); agent exiting", d.phase, d.reason)
             return True
-        if action == "check":
+        if isinstance(d, Check):
             env = self._base_env()
             if "OMP_NUM_THREADS" not in os.environ:  # GEMM measures with every core it has
                 env.pop("OMP_NUM_THREADS", None)
-            self.checks.run(d["task"], env)
+            self.checks.run(d.task, env)
             return False
         self.checks.stop()
-        if "ckpt" in d:
-            self._ensure_ckptd(d["ckpt"])
-        if action == "run":
-            gen = int(d["generation"])
+        ckpt = d.ckpt if isinstance(d, Run | Idle) else None
+        if ckpt is not None:
+            self._ensure_ckptd(ckpt)
+        if isinstance(d, Run):
+            gen = d.generation
             if self.generation is not None and self.generation != gen:
                 self._stop_workers(grace_s=1.0)
-            if d["host_store"] and (self._store is None or self._store[0] != gen):
+            if d.host_store and (self._store is None or self._store[0] != gen):
                 self._host_store(gen)
-            if self.generation != gen and d["master_port"] is not None:
+            if self.generation != gen and d.master_port is not None:
                 if gen == self._fenced_generation:
                     return False  # reported as fenced; the controller starts a new generation
                 self._start_generation(d)
             elif self.generation == gen and all(w.step is not None for w in self.workers.values()):
-                self.spares.fill(int(d["nproc_per_node"]))  # replenish once training is under way
-        elif action == "stop":
-            gen = int(d["generation"])
+                self.spares.fill(d.nproc_per_node)  # replenish once training is under way
+        elif isinstance(d, Stop):
+            gen = d.generation
             if self._stopped_generation < gen:
-                if d.get("dump_stacks") and self.generation == gen and self.workers:
+                if d.dump_stacks and self.generation == gen and self.workers:
                     # A hang: every rank's stack, victims' too, before the kill (localization).
                     running = {
                         w.rank: w.proc.pid for w in self.workers.values() if w.state == "running"
@@ -434,13 +447,13 @@ class Agent:
                         progress={w.rank: w.step for w in self.workers.values()},
                         stacks=wk.dump_stacks(running),
                     )
-                self._stop_workers(grace_s=float(d["grace_s"]))
+                self._stop_workers(grace_s=d.grace_s)
                 self._stopped_generation = gen
                 self._report_now.set()
-        elif action == "idle":
+        else:  # Idle
             if self.workers:
                 self._stop_workers(grace_s=15.0)
-            self.spares.fill(int(d.get("nproc_per_node", 1)))
+            self.spares.fill(d.nproc_per_node or 1)
         return False
 
     def _host_store(self, gen: int) -> None:
@@ -457,24 +470,22 @@ class Agent:
         self._store = (gen, store)
         self._report_now.set()
 
-    def _start_generation(self, d: dict[str, Any]) -> None:
-        gen, nproc = int(d["generation"]), int(d["nproc_per_node"])
+    def _start_generation(self, d: Run) -> None:
+        gen, nproc = d.generation, d.nproc_per_node
         self.generation, self._run_desired, self._hang = gen, d, False
         self.workers = {}
         for local_rank in range(nproc):
             env = self._worker_env(d, local_rank)
             rank = int(env["RANK"])
-            log_path = (
-                Path(d.get("log_dir") or self.cfg.run_dir / "logs") / f"rank{rank}.gen{gen}.log"
-            )
+            log_path = Path(d.log_dir or self.cfg.run_dir / "logs") / f"rank{rank}.gen{gen}.log"
             error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
             proc = self.spares.take()
             wk.launch(
                 proc,
                 {
                     "env": env,
-                    "argv": [d["script"], *d["script_args"]],
-                    "mode": d.get("launch", "script"),
+                    "argv": [d.script, *d.script_args],
+                    "mode": d.launch,
                     "cwd": os.getcwd(),
                     "log": str(log_path),
                     "error_file": str(error_file),
@@ -493,14 +504,10 @@ class Agent:
             )
         log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
         self._report_now.set()
-        if (
-            d["restore_step"] is not None
-            and d.get("restore_gen") is not None
-            and d["ckpt"]["memory_tier"]
-        ):
+        if d.restore_step is not None and d.restore_gen is not None and d.ckpt.memory_tier:
             threading.Thread(
                 target=self._preverify,
-                args=(sorted(self.workers), int(d["restore_step"]), int(d["restore_gen"]), gen),
+                args=(sorted(self.workers), d.restore_step, d.restore_gen, gen),
                 name="agent-preverify",
                 daemon=True,
             ).start()
@@ -585,9 +592,9 @@ class Agent:
             if w.state == "running":
                 outside.sample(w, now)
         d = self._run_desired
-        due = outside.due_drills(
-            d.get("injects", []), self._drills_fired, self.workers, int(d["node_rank"]), now
-        )
+        if d is None:
+            return
+        due = outside.due_drills(d.injects, self._drills_fired, self.workers, d.node_rank, now)
         for spec, w in due:
             self._drills_fired.add(spec.id)
             self._event(
@@ -602,7 +609,8 @@ class Agent:
             outside.fire(spec, w, self._power_off)
 
     def _watch_hangs(self) -> None:
-        if not self.workers:
+        d = self._run_desired
+        if not self.workers or d is None:
             return
         now = time.monotonic()
         if self._hang:
@@ -616,8 +624,8 @@ class Agent:
             if w.state != "running":
                 continue
             ref = w.last_progress_mono if w.last_progress_mono is not None else w.started_mono
-            limit = hang_limit(self._run_desired, w)
-            seen = outside.stalled(w, self._run_desired, now)
+            limit = hang_limit(d, w)
+            seen = outside.stalled(w, d.hang_timeout_min_s, now)
             if seen is not None:
                 stalled_s, limit, how = seen
                 ref = now - stalled_s
@@ -754,7 +762,7 @@ class Agent:
     def _accept(self, reply: dict[str, Any]) -> None:
         with self._lock:
             if int(reply["version"]) > self._desired[0]:
-                self._desired = (int(reply["version"]), reply["desired"])
+                self._desired = (int(reply["version"]), desired_from_json(reply["desired"]))
                 self._wake.set()
 
     def _unreachable(self, e: BaseException) -> None:
@@ -796,7 +804,7 @@ class Agent:
     def _report_loop(self) -> None:
         backoff = 0.1
         while not self._shutdown.is_set():
-            hb = float(self._run_desired.get("heartbeat_s", 0.5)) if self._run_desired else 0.5
+            hb = self._run_desired.heartbeat_s if self._run_desired is not None else 0.5
             self._report_now.wait(hb if backoff <= 0.1 else backoff)
             self._report_now.clear()
             try:

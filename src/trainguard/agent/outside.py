@@ -69,13 +69,11 @@ def sample(w: Worker, now_mono: float) -> None:
     w.tree_cpu_s, w.cpu_checked_mono = cpu, now_mono
 
 
-def stalled(w: Worker, desired: dict[str, Any], now_mono: float) -> tuple[float, float, str] | None:
+def stalled(w: Worker, limit: float, now_mono: float) -> tuple[float, float, str] | None:
     """(stopped seconds, limit, how) when ``w``'s process has been stopped longer than
-    ``hang_timeout_min_s``, else None."""
-    if w.stopped_since_mono is not None:
-        limit = float(desired["hang_timeout_min_s"])
-        if now_mono - w.stopped_since_mono > limit:
-            return now_mono - w.stopped_since_mono, limit, "its process is stopped (SIGSTOP?)"
+    ``limit`` seconds (the job's ``hang_timeout_min_s``), else None."""
+    if w.stopped_since_mono is not None and now_mono - w.stopped_since_mono > limit:
+        return now_mono - w.stopped_since_mono, limit, "its process is stopped (SIGSTOP?)"
     return None
 
 

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from trainguard.faults.inject import InjectSpec
+from trainguard.protocol import FaultCause
 
 # Phases of a recovery, in order, each timed from the end of the previous one; then the sum.
 RECOVERY_PHASES = (
@@ -287,10 +288,9 @@ STEPS_SEEN_GENERATIONS = 4
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Fault:
-    """A detected fault. ``cause``: worker_crash | worker_exit | hang | node_lost | node_fenced |
-    rendezvous_timeout."""
+    """A detected fault; ``cause`` says what kind (``protocol.FaultCause``)."""
 
-    cause: str
+    cause: FaultCause
     generation: int
     rank: int | None
     node_id: str | None

@@ -22,6 +22,7 @@ from trainguard.controller.api import (
 )
 from trainguard.controller.jobstate import Inputs, JobState, copy_state, fold_inputs
 from trainguard.controller.restore import replica_peers, replica_sources, restore_point, ring_of
+from trainguard.protocol import CkptConf, Desired, FaultCause, Idle, Run, Shutdown, Stop
 
 Event = tuple[str, dict[str, Any]]
 # Errors a rank raises when a *peer* died under a collective (gloo, NCCL): such a rank
@@ -192,7 +193,7 @@ def _last_line(text: str) -> str:
 
 
 def _worker_fault(
-    gen: int, node: str, w: WorkerObs, t: float, now: float, cause: str, what: str
+    gen: int, node: str, w: WorkerObs, t: float, now: float, cause: FaultCause, what: str
 ) -> Fault:
     """The fault of rank ``w`` on ``node``, first seen at ``t``: "rank R <what>"."""
     return Fault(
@@ -237,7 +238,9 @@ def _healthy_standby(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobC
     ]
 
 
-def _node_fault(s: JobState, cause: str, node: str, t_fault: float, now: float, why: str) -> Fault:
+def _node_fault(
+    s: JobState, cause: FaultCause, node: str, t_fault: float, now: float, why: str
+) -> Fault:
     return Fault(
         cause=cause,
         generation=s.generation,
@@ -331,11 +334,11 @@ def _detect_fault(
         else:
             seen = obs[n].last_seen if n in obs else s.phase_since
             why = f"no heartbeat from {n} for {now - seen:.1f}s"
-        return _node_fault(s, "node_lost", n, seen, now, why)
+        return _node_fault(s, FaultCause.NODE_LOST, n, seen, now, why)
     fenced = [n for n in s.assignment if n in obs and obs[n].fenced_generation == gen]
     if fenced:
         why = f"node {fenced[0]} stopped its workers: it lost contact with the controller"
-        return _node_fault(s, "node_fenced", fenced[0], now, now, why)
+        return _node_fault(s, FaultCause.NODE_FENCED, fenced[0], now, now, why)
     failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
     culprits = [f for f in failed if not _victim(f[2].error)]
     settle_s = 2 * cfg.heartbeat_s
@@ -354,11 +357,11 @@ def _detect_fault(
             t, n, w = min(early, key=lambda x: x[0])
             why = "exited with status 0 at step {} while its peers were still running (left "
             why += "early); they lost their connection to it"
-            return _worker_fault(gen, n, w, t, now, "worker_exit", why.format(w.step))
+            return _worker_fault(gen, n, w, t, now, FaultCause.WORKER_EXIT, why.format(w.step))
     if failed:
         t, n, w = min(culprits or failed, key=lambda x: x[0])
         code = w.exit_code or 0
-        cause = "worker_crash" if code < 0 else "worker_exit"
+        cause = FaultCause.WORKER_CRASH if code < 0 else FaultCause.WORKER_EXIT
         what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
     hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
@@ -371,7 +374,7 @@ def _detect_fault(
         n, w, how, waiting = localize_hang(workers, 2 * cfg.heartbeat_s + 1)
         victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
         return Fault(
-            cause="hang",
+            cause=FaultCause.HANG,
             generation=gen,
             rank=w.rank,
             node_id=n,
@@ -386,7 +389,7 @@ def _detect_fault(
     if wedged is not None:
         n, w, limit = wedged
         return Fault(
-            cause="hang",
+            cause=FaultCause.HANG,
             generation=gen,
             rank=w.rank,
             node_id=n,
@@ -399,7 +402,7 @@ def _detect_fault(
         )
     if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.rendezvous_timeout_s:
         return Fault(
-            cause="rendezvous_timeout",
+            cause=FaultCause.RENDEZVOUS_TIMEOUT,
             generation=gen,
             rank=None,
             node_id=None,
@@ -606,8 +609,8 @@ def _blame_lost_node(
     assert s.recovery is not None
     fault = s.recovery.fault
     lost = _lost(s, obs, now, cfg)
-    if fault.cause != "node_lost" and lost and _victim(fault.message):
-        fault.cause, fault.node_id, fault.rank = "node_lost", lost[0], None
+    if fault.cause != FaultCause.NODE_LOST and lost and _victim(fault.message):
+        fault.cause, fault.node_id, fault.rank = FaultCause.NODE_LOST, lost[0], None
         fault.message = f"node {lost[0]} lost; first seen as: {fault.message}"
         events.append(("fault_refined", fault.to_json()))
 
@@ -628,7 +631,7 @@ def _apply_policy(
     # plain script shows neither, and is judged by its restart budget, except for a failure
     # that repeats word for word (a bug in the script, not a transient fault).
     reports_steps = bool(s.max_step)
-    line = _last_line(fault.message) if fault.cause == "worker_exit" else ""
+    line = _last_line(fault.message) if fault.cause == FaultCause.WORKER_EXIT else ""
     # A rank could not read the agreed point from any tier: an older one is used next. Not
     # the script's failure, and not a generation without progress.
     fallback = [s.restore_step, s.restore_gen] in s.unusable
@@ -656,7 +659,7 @@ def _apply_policy(
             s.recovery = None
             _goto(s, Phase.FAILED, now, events, s.reason)
         return
-    if fault.cause != "worker_exit":
+    if fault.cause != FaultCause.WORKER_EXIT:
         s.prestep_failures = 0
     elif reports_steps:
         s.prestep_failures = s.prestep_failures + 1 if gen not in s.max_step else 0
@@ -996,70 +999,61 @@ def desired_for(
     obs: dict[str, NodeObs],
     cfg: JobConfig,
     ring: list[str] | None = None,
-) -> dict[str, Any]:
+) -> Desired:
     """The state a node's agent must reach (level-triggered; the agent reconciles toward it).
     ``ring``: ``restore.ring_of(s)``; a caller computing every node's desired state passes it
     once (each call is then O(1) in the number of nodes)."""
     if s.phase.terminal:
-        return {"action": "shutdown", "reason": s.reason, "phase": s.phase.value}
+        return Shutdown(reason=s.reason, phase=s.phase.value)
     rank = s.assignment.get(node_id)
-    idle = {
-        "action": "idle",
-        "nproc_per_node": cfg.nproc_per_node,
-        "ckpt": {
-            "dir": cfg.ckpt_dir,
-            "shm_dir": cfg.shm_dir,
-            "keep": cfg.keep_checkpoints,
-            "memory_tier": cfg.memory_tier,
-        },
-    }
+    ckpt = CkptConf(
+        dir=cfg.ckpt_dir,
+        shm_dir=cfg.shm_dir,
+        keep=cfg.keep_checkpoints,
+        memory_tier=cfg.memory_tier,
+    )
+    idle = Idle(nproc_per_node=cfg.nproc_per_node, ckpt=ckpt)
     if rank is None or _rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
         faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
         grace = cfg.fault_stop_grace_s if faulted else cfg.stop_grace_s
-        hang = faulted and s.recovery is not None and s.recovery.fault.cause == "hang"
-        out = {"action": "stop", "generation": s.generation, "grace_s": grace, "dump_stacks": hang}
+        hang = faulted and s.recovery is not None and s.recovery.fault.cause == FaultCause.HANG
+        persist = None
         if s.persist is not None:  # persist this snapshot from memory (a planned stop)
-            out["persist"] = {"step": s.persist["step"], "generation": s.persist["generation"]}
-        return out
+            persist = (int(s.persist["step"]), int(s.persist["generation"]))
+        return Stop(generation=s.generation, grace_s=grace, dump_stacks=hang, persist=persist)
     if s.phase not in _ACTIVE_GEN:
         return idle
     ring = ring if ring is not None else ring_of(s)
     master = ring[0]
     injects = [i.to_json() for i in cfg.injects if i.id not in s.fired and i.kind != "gemm-wrong"]
-    return {
-        "action": "run",
-        "generation": s.generation,
-        "node_rank": rank,
-        "nnodes": len(s.assignment),
-        "nproc_per_node": cfg.nproc_per_node,
-        "world_size": world_of(s, cfg),
-        "master_addr": obs[master].addr if master in obs else None,
-        "master_port": s.master_port,
-        "host_store": rank == 0,
-        "restore_step": s.restore_step,
-        "restore_gen": s.restore_gen,
-        "restore_memory": s.restore_memory,
-        "ckpt": {
-            "dir": cfg.ckpt_dir,
-            "shm_dir": cfg.shm_dir,
-            "keep": cfg.keep_checkpoints,
-            "memory_tier": cfg.memory_tier,
-        },
-        "restarts": s.restarts,
-        "max_restarts": cfg.max_restarts,
-        "injects": injects,
-        "script": cfg.script,
-        "launch": cfg.launch,
-        "log_dir": cfg.log_dir,
-        "script_args": list(cfg.script_args),
-        "hang_timeout_s": cfg.hang_timeout_s,
-        "hang_timeout_min_s": cfg.hang_timeout_min_s,
-        "hang_timeout_max_s": cfg.hang_timeout_max_s,
-        "first_step_timeout_s": cfg.first_step_timeout_s,
-        "heartbeat_s": cfg.heartbeat_s,
-        "node_timeout_s": cfg.node_timeout_s,
-        "replica_peers": replica_peers(s, node_id, obs, cfg, ring),
-        "replica_sources": s.restore_sources,
-    }
+    return Run(
+        generation=s.generation,
+        node_rank=rank,
+        nnodes=len(s.assignment),
+        nproc_per_node=cfg.nproc_per_node,
+        world_size=world_of(s, cfg),
+        master_addr=obs[master].addr if master in obs else None,
+        master_port=s.master_port,
+        host_store=rank == 0,
+        restore_step=s.restore_step,
+        restore_gen=s.restore_gen,
+        restore_memory=s.restore_memory,
+        ckpt=ckpt,
+        restarts=s.restarts,
+        max_restarts=cfg.max_restarts,
+        injects=injects,
+        script=cfg.script,
+        launch=cfg.launch,
+        log_dir=cfg.log_dir,
+        script_args=list(cfg.script_args),
+        hang_timeout_s=cfg.hang_timeout_s,
+        hang_timeout_min_s=cfg.hang_timeout_min_s,
+        hang_timeout_max_s=cfg.hang_timeout_max_s,
+        first_step_timeout_s=cfg.first_step_timeout_s,
+        heartbeat_s=cfg.heartbeat_s,
+        node_timeout_s=cfg.node_timeout_s,
+        replica_peers=replica_peers(s, node_id, obs, cfg, ring),
+        replica_sources=s.restore_sources,
+    )

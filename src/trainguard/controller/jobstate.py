@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from trainguard.controller.api import Fault, Phase, Pool, Recovery
+from trainguard.protocol import FaultCause
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -146,7 +147,8 @@ def fold_inputs(s: JobState, inputs: Inputs, events: list[tuple[str, dict[str, A
 
 def _recovery_from_json(d: dict[str, Any]) -> Recovery:
     d = {k: v for k, v in d.items() if k != "durations_s"}
-    return Recovery(**{**d, "fault": Fault(**d["fault"])})
+    fault = {**d["fault"], "cause": FaultCause(d["fault"]["cause"])}
+    return Recovery(**{**d, "fault": Fault(**fault)})
 
 
 def state_from_json(d: dict[str, Any]) -> JobState:

@@ -161,7 +161,7 @@ class Controller:
         self._version_base = int(time.time() * 1000)
         self.obs: dict[str, NodeObs] = {}
         self._inputs = Inputs()  # for the next decide (the executor never edits the state)
-        self._desired: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._desired: dict[str, tuple[int, protocol.Desired]] = {}
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -328,10 +328,10 @@ class Controller:
         except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
             log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
             return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
-        version, desired = self._desired.get(node_id, (0, {"action": "idle"}))
+        version, desired = self._desired.get(node_id, (0, protocol.Idle()))
         if body.get("desired_version") == version:
             return web.json_response({"version": version})  # the agent has it: no body to send
-        return web.json_response({"version": version, "desired": desired})
+        return web.json_response({"version": version, "desired": protocol.desired_to_json(desired)})
 
     async def _get_desired(self, request: web.Request) -> web.Response:
         node_id = request.query.get("node", "")
@@ -339,13 +339,13 @@ class Controller:
         wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
 
         def newer() -> bool:
-            return self._closing or self._desired.get(node_id, (0, {}))[0] > version
+            return self._closing or self._desired.get(node_id, (0, None))[0] > version
 
         async with self._changed:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait_for(newer), timeout=wait_s)
-        v, desired = self._desired.get(node_id, (0, {"action": "idle"}))
-        return web.json_response({"version": v, "desired": desired})
+        v, desired = self._desired.get(node_id, (0, protocol.Idle()))
+        return web.json_response({"version": v, "desired": protocol.desired_to_json(desired)})
 
     async def _status(self, request: web.Request) -> web.Response:
         out = state_json(self.state)
@@ -635,7 +635,7 @@ class Controller:
 
     def _decide(
         self, s: JobState, obs: dict[str, NodeObs], inputs: Inputs, nodes: list[str]
-    ) -> tuple[JobState, list[Event], dict[str, dict[str, Any]]]:
+    ) -> tuple[JobState, list[Event], dict[str, protocol.Desired]]:
         """decide and the desired states of ``nodes`` after it (in a worker thread: reads
         only its arguments, ``self.cfg`` and the durable tier's files)."""
         needs_ckpt = s.phase in (
@@ -652,7 +652,7 @@ class Controller:
 
     def _wants(
         self, s: JobState, obs: dict[str, NodeObs], nodes: list[str]
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, protocol.Desired]:
         ring = ring_of(s)
         return {n: desired_for(s, n, obs, self.cfg, ring) for n in nodes if n in obs}
 
@@ -794,24 +794,23 @@ class Controller:
         nodes = list(self.obs) if full else [n for n in self._dirty if n in self.obs]
         self._dirty = set()
         if self.check_only and not self.state.phase.terminal:
-            wants: dict[str, dict[str, Any]] = {
-                n: {"action": "idle", "nproc_per_node": 0} for n in nodes
-            }
+            wants: dict[str, protocol.Desired] = {n: protocol.Idle() for n in nodes}
         else:
             wants = self._wants(self.state, self.obs, nodes)
         self._apply_wants(wants)
 
-    def _apply_wants(self, wants: dict[str, dict[str, Any]]) -> None:
+    def _apply_wants(self, wants: dict[str, protocol.Desired]) -> None:
         """Give each node its desired state (a pre-flight task replaces an idle one), with a
         new version where it changed, and wake the long polls if any did."""
         changed = False
         for node_id, want in wants.items():
             task = None
-            if self.preflight is not None and want["action"] == "idle" and node_id in self.obs:
+            idle = isinstance(want, protocol.Idle)
+            if self.preflight is not None and idle and node_id in self.obs:
                 task = self.preflight.task_for(node_id, self.obs[node_id].clock_skew_s)
             if task is not None:
-                want = {"action": "check", "task": task}
-            version, have = self._desired.get(node_id, (self._version_base, {}))
+                want = protocol.Check(task=task)
+            version, have = self._desired.get(node_id, (self._version_base, None))
             if want != have:
                 self._desired[node_id] = (version + 1, want)
                 changed = True
