@@ -501,7 +501,7 @@ def test_a_faulty_node_is_rechecked_with_backoff_and_retired_after_repeated_loss
 
 def _lose_again(s: JobState, node: str) -> JobState:
     """Mark ``node`` faulty once more (its second loss): retired, since retire_after = 2."""
-    from trainguard.controller.decide import mark_faulty
+    from trainguard.controller.pools import mark_faulty
 
     events: list[tuple[str, dict[str, object]]] = []
     mark_faulty(s, node, 0.0, cfg(nodes=1, standby=1, recheck_s=10.0, retire_after=2), events, "x")
@@ -532,7 +532,8 @@ def test_replica_peers_form_a_ring_of_the_configured_size() -> None:
 def test_a_plain_job_is_wedged_only_when_every_rank_idles() -> None:
     """No runtime: one idle rank may wait for a busy peer; all idle past the limit is a hang."""
     from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
-    from trainguard.controller.decide import JobState, _detect_fault
+    from trainguard.controller.decide import JobState
+    from trainguard.controller.detect import detect_fault as _detect_fault
 
     cfg = JobConfig(
         script="t.py", run_dir="/tmp/x", nodes=2, preflight="off", hang_timeout_max_s=60

@@ -7,7 +7,8 @@ import itertools
 from typing import Any
 
 from trainguard.controller.api import JobConfig, NodeObs, Pool
-from trainguard.controller.decide import JobState, decide, needs_recheck
+from trainguard.controller.decide import JobState, decide
+from trainguard.controller.pools import needs_recheck
 from trainguard.health.judge import (
     CheckConfig,
     inconclusive,

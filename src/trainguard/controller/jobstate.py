@@ -77,6 +77,25 @@ class JobState:
     )  # generation → newest step seen
 
 
+Event = tuple[str, dict[str, Any]]  # (kind, data): what the store records
+ACTIVE_PHASES = (Phase.RENDEZVOUS, Phase.RUNNING)
+
+
+def goto(s: JobState, phase: Phase, now: float, events: list[Event], reason: str) -> None:
+    events.append(
+        (
+            "phase",
+            {
+                "from": s.phase.value,
+                "to": phase.value,
+                "reason": reason,
+                "generation": s.generation,
+            },
+        )
+    )
+    s.phase, s.phase_since = phase, now
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Inputs:
     """What the executor learned since the last tick that is not an agent's latest report:

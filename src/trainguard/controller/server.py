@@ -41,9 +41,10 @@ from trainguard.controller.api import (
     WorkerObs,
 )
 from trainguard.controller.checkonly import decide_check
-from trainguard.controller.decide import JobState, decide, desired_for, needs_recheck, world_of
+from trainguard.controller.decide import JobState, decide, desired_for
 from trainguard.controller.jobstate import Inputs, merge_inputs, next_incarnation
 from trainguard.controller.monitor import Monitor
+from trainguard.controller.pools import needs_recheck, world_of
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight, Verdict

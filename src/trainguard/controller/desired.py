@@ -1,0 +1,83 @@
+"""Each node's desired state (``protocol.Run | Stop | Idle | Shutdown``) from the job state:
+what the agent reconciles toward. Pure."""
+
+from __future__ import annotations
+
+from trainguard.controller.api import (
+    JobConfig,
+    NodeObs,
+    Phase,
+)
+from trainguard.controller.jobstate import (
+    ACTIVE_PHASES,
+    JobState,
+)
+from trainguard.controller.pools import rebooted, world_of
+from trainguard.controller.restore import replica_peers, ring_of
+from trainguard.protocol import CkptConf, Desired, FaultCause, Idle, Run, Shutdown, Stop
+
+
+def desired_for(
+    s: JobState,
+    node_id: str,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    ring: list[str] | None = None,
+) -> Desired:
+    """The state a node's agent must reach (level-triggered; the agent reconciles toward it).
+    ``ring``: ``restore.ring_of(s)``; a caller computing every node's desired state passes it
+    once (each call is then O(1) in the number of nodes)."""
+    if s.phase.terminal:
+        return Shutdown(reason=s.reason, phase=s.phase.value)
+    rank = s.assignment.get(node_id)
+    ckpt = CkptConf(
+        dir=cfg.ckpt_dir,
+        shm_dir=cfg.shm_dir,
+        keep=cfg.keep_checkpoints,
+        memory_tier=cfg.memory_tier,
+    )
+    idle = Idle(nproc_per_node=cfg.nproc_per_node, ckpt=ckpt)
+    if rank is None or rebooted(s, node_id, obs):
+        return idle  # a rebooted node never rejoins the generation it was lost from
+    if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
+        faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
+        grace = cfg.fault_stop_grace_s if faulted else cfg.stop_grace_s
+        hang = faulted and s.recovery is not None and s.recovery.fault.cause == FaultCause.HANG
+        persist = None
+        if s.persist is not None:  # persist this snapshot from memory (a planned stop)
+            persist = (int(s.persist["step"]), int(s.persist["generation"]))
+        return Stop(generation=s.generation, grace_s=grace, dump_stacks=hang, persist=persist)
+    if s.phase not in ACTIVE_PHASES:
+        return idle
+    ring = ring if ring is not None else ring_of(s)
+    master = ring[0]
+    injects = [i.to_json() for i in cfg.injects if i.id not in s.fired and i.kind != "gemm-wrong"]
+    return Run(
+        generation=s.generation,
+        node_rank=rank,
+        nnodes=len(s.assignment),
+        nproc_per_node=cfg.nproc_per_node,
+        world_size=world_of(s, cfg),
+        master_addr=obs[master].addr if master in obs else None,
+        master_port=s.master_port,
+        host_store=rank == 0,
+        restore_step=s.restore_step,
+        restore_gen=s.restore_gen,
+        restore_memory=s.restore_memory,
+        ckpt=ckpt,
+        restarts=s.restarts,
+        max_restarts=cfg.max_restarts,
+        injects=injects,
+        script=cfg.script,
+        launch=cfg.launch,
+        log_dir=cfg.log_dir,
+        script_args=list(cfg.script_args),
+        hang_timeout_s=cfg.hang_timeout_s,
+        hang_timeout_min_s=cfg.hang_timeout_min_s,
+        hang_timeout_max_s=cfg.hang_timeout_max_s,
+        first_step_timeout_s=cfg.first_step_timeout_s,
+        heartbeat_s=cfg.heartbeat_s,
+        node_timeout_s=cfg.node_timeout_s,
+        replica_peers=replica_peers(s, node_id, obs, cfg, ring),
+        replica_sources=s.restore_sources,
+    )

@@ -1,0 +1,254 @@
+"""Fault detection for the current generation: where a node is declared lost (``lost``:
+no heartbeat for ``node_timeout_s`` or a rebooted agent), crashed or non-zero workers
+(culprit before victims), ranks that left early, hangs (agent-suspected, or a script
+without the runtime idle on every rank), stuck exits, rendezvous timeouts. Pure."""
+
+from __future__ import annotations
+
+from trainguard.controller.analysis import localize_hang
+from trainguard.controller.api import (
+    Fault,
+    JobConfig,
+    NodeObs,
+    Phase,
+    WorkerObs,
+)
+from trainguard.controller.jobstate import (
+    Event,
+    JobState,
+)
+from trainguard.controller.pools import is_alive, rebooted, world_of
+from trainguard.protocol import FaultCause
+
+# Errors a rank raises when a *peer* died under a collective (gloo, NCCL): such a rank
+# is a victim; the culprit's own report may arrive a little later.
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+
+
+def last_line(text: str) -> str:
+    """The most telling line of an error: its exception line (the traceback's last)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _worker_fault(
+    gen: int, node: str, w: WorkerObs, t: float, now: float, cause: FaultCause, what: str
+) -> Fault:
+    """The fault of rank ``w`` on ``node``, first seen at ``t``: "rank R <what>"."""
+    return Fault(
+        cause=cause,
+        generation=gen,
+        rank=w.rank,
+        node_id=node,
+        step=w.step,
+        t_fault=t,
+        t_detected=now,
+        message=f"rank {w.rank} {what}",
+    )
+
+
+def victim(error: str | None) -> bool:
+    return error is not None and any(p in error for p in _PEER_LOSS)
+
+
+def lost_nodes(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> list[str]:
+    return [
+        n
+        for n in s.assignment
+        if n not in obs or not is_alive(obs[n], now, cfg) or rebooted(s, n, obs)
+    ]
+
+
+def node_fault(
+    s: JobState, cause: FaultCause, node: str, t_fault: float, now: float, why: str
+) -> Fault:
+    return Fault(
+        cause=cause,
+        generation=s.generation,
+        rank=None,
+        node_id=node,
+        step=s.max_step.get(s.generation),
+        t_fault=t_fault,
+        t_detected=now,
+        message=why,
+    )
+
+
+def _idle_s(w: WorkerObs) -> float:
+    """Seconds ``w`` has done nothing: with the runtime, since its last step or a heartbeat
+    that showed its main thread working (its reporter thread's own CPU is not work); without,
+    since its process tree last used CPU."""
+    idle = w.progress_age_s if w.runtime else w.cpu_idle_s
+    return 0.0 if idle is None else idle
+
+
+def stuck_at_exit(
+    w: WorkerObs, workers: list[WorkerObs], cfg: JobConfig, events: list[Event], gen: int
+) -> bool:
+    """``w`` is still running, every peer exited 0, and its processes used no CPU for
+    ``exit_grace_s``: its work is over and its exit is stuck (a destructor blocked on a
+    thread). It counts as finished (the end-of-job stop kills it); whether the job finished
+    is then judged by its steps as for any rank. An epilogue that computes is never this."""
+    if w.state != "running" or _idle_s(w) < cfg.exit_grace_s:
+        return False
+    peers = [x for x in workers if x is not w]
+    done = [x for x in peers if x.state == "succeeded"]
+    stuck = [x for x in peers if x.state == "running" and _idle_s(x) >= cfg.exit_grace_s]
+    if not done or len(done) + len(stuck) < len(peers):
+        return False
+    events.append(
+        (
+            "exit_stuck",
+            {"generation": gen, "rank": w.rank, "step": w.step, "idle_s": round(_idle_s(w), 1),
+             "action": "stopped with the job's end: every peer had exited 0"},
+        )
+    )  # fmt: skip
+    return True
+
+
+def _wedged_without_runtime(
+    s: JobState, cfg: JobConfig, workers: list[tuple[str, WorkerObs]]
+) -> tuple[str, WorkerObs, float] | None:
+    """A generation whose script runs no trainguard runtime, in which every rank's processes
+    used no CPU for the hang timeout (fixed, else its ceiling): (node, the rank idle longest,
+    limit). One idle rank alone is no verdict: it may wait for a busy peer."""
+    if s.phase != Phase.RUNNING or (workers and workers[0][1].runtime):
+        return None  # any rank with the runtime rules this out (the first, checked cheaply)
+    live = [(n, w) for n, w in workers if w.state == "running"]
+    limit = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else cfg.hang_timeout_max_s
+    if len(live) < world_of(s, cfg) or any(w.runtime for _, w in live):
+        return None
+    if all(w.cpu_idle_s is not None and w.cpu_idle_s > limit for _, w in live):
+        n, w = max(live, key=lambda nw: (nw[1].cpu_idle_s or 0.0, -nw[1].rank))
+        return n, w, limit
+    return None
+
+
+def gen_workers(s: JobState, obs: dict[str, NodeObs]) -> list[tuple[str, WorkerObs]]:
+    """(node, worker) of every worker the assigned nodes report for the current generation:
+    one pass over the reports per tick, shared by the checks below."""
+    gen = s.generation
+    return [
+        (n, w)
+        for n in s.assignment
+        if n in obs and obs[n].generation == gen
+        for w in obs[n].workers.values()
+    ]
+
+
+def detect_fault(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    workers: list[tuple[str, WorkerObs]] | None = None,
+) -> Fault | None:
+    """First fault of the current generation, culprit localized where the reports allow.
+    ``workers``: ``gen_workers(s, obs)`` if the caller has it."""
+    gen = s.generation
+    workers = gen_workers(s, obs) if workers is None else workers
+    lost = lost_nodes(s, obs, now, cfg)
+    if lost:
+        n = lost[0]
+        if rebooted(s, n, obs):
+            seen, why = now, f"node {n} restarted (new agent incarnation)"
+        else:
+            seen = obs[n].last_seen if n in obs else s.phase_since
+            why = f"no heartbeat from {n} for {now - seen:.1f}s"
+        return node_fault(s, FaultCause.NODE_LOST, n, seen, now, why)
+    fenced = [n for n in s.assignment if n in obs and obs[n].fenced_generation == gen]
+    if fenced:
+        why = f"node {fenced[0]} stopped its workers: it lost contact with the controller"
+        return node_fault(s, FaultCause.NODE_FENCED, fenced[0], now, now, why)
+    failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
+    culprits = [f for f in failed if not victim(f[2].error)]
+    settle_s = 2 * cfg.heartbeat_s
+    if failed and not culprits and now - min(f[0] for f in failed) < settle_s:
+        return None  # only victims so far: give the culprit's report (or node loss) a moment
+    if failed and not culprits:
+        # The peers lost their connection: a rank that had already exited 0 left them (a
+        # trainer that exits 0 on SIGTERM, a rank that skipped its last steps).
+        first = min(f[0] for f in failed)
+        early = [
+            (w.exited_at, n, w)
+            for n, w in workers
+            if w.state == "succeeded" and w.exited_at is not None and w.exited_at <= first
+        ]
+        if early:
+            t, n, w = min(early, key=lambda x: x[0])
+            why = "exited with status 0 at step {} while its peers were still running (left "
+            why += "early); they lost their connection to it"
+            return _worker_fault(gen, n, w, t, now, FaultCause.WORKER_EXIT, why.format(w.step))
+    if failed:
+        t, n, w = min(culprits or failed, key=lambda x: x[0])
+        code = w.exit_code or 0
+        cause = FaultCause.WORKER_CRASH if code < 0 else FaultCause.WORKER_EXIT
+        what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
+    hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
+    live = [w for _, w in workers if w.state == "running"]
+    if hung and len(live) < world_of(s, cfg) and not failed:
+        hung = []  # the others exited 0: the last ranks are finishing; exit_grace_s bounds it
+    if hung and any(w.in_trainguard for w in live):
+        hung = []  # a rank waits inside trainguard (ckptd, a slot, durability): its deadlines bound it
+    if hung:
+        n, w, how, waiting = localize_hang(workers, 2 * cfg.heartbeat_s + 1)
+        victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
+        return Fault(
+            cause=FaultCause.HANG,
+            generation=gen,
+            rank=w.rank,
+            node_id=n,
+            step=w.step,
+            t_fault=w.last_progress_at or now,
+            t_detected=now,
+            message=f"no progress; rank {w.rank} on {n} {how}"
+            + (f", at step {w.step}" if w.step is not None else "")
+            + victims,
+        )
+    wedged = _wedged_without_runtime(s, cfg, workers)
+    if wedged is not None:
+        n, w, limit = wedged
+        return Fault(
+            cause=FaultCause.HANG,
+            generation=gen,
+            rank=w.rank,
+            node_id=n,
+            step=None,
+            t_fault=now - (w.cpu_idle_s or 0.0),
+            t_detected=now,
+            message=f"no progress; no rank used CPU for {limit:.0f}s (the script reports no "
+            f"steps, so which rank holds the others is unknown; rank {w.rank} on {n} idled "
+            "longest)",
+        )
+    if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.rendezvous_timeout_s:
+        return Fault(
+            cause=FaultCause.RENDEZVOUS_TIMEOUT,
+            generation=gen,
+            rank=None,
+            node_id=None,
+            step=None,
+            t_fault=s.phase_since,
+            t_detected=now,
+            message=f"not all ranks started in {cfg.rendezvous_timeout_s}s",
+        )
+    return None
+
+
+def blame_lost_node(
+    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+) -> None:
+    """A fault first seen as a victim's peer-loss error was a node loss if a node is gone now."""
+    assert s.recovery is not None
+    fault = s.recovery.fault
+    lost = lost_nodes(s, obs, now, cfg)
+    if fault.cause != FaultCause.NODE_LOST and lost and victim(fault.message):
+        fault.cause, fault.node_id, fault.rank = FaultCause.NODE_LOST, lost[0], None
+        fault.message = f"node {lost[0]} lost; first seen as: {fault.message}"
+        events.append(("fault_refined", fault.to_json()))

@@ -1,0 +1,397 @@
+"""What to do after the workers stopped: the restart policy (budget, user errors, fallback
+to an older restore point), replacing lost or faulty nodes by standbys (or shrinking when
+elastic), planned stops that persist memory snapshots (growth, evictions, a user's stop),
+and starting the next generation from the restore point. Pure."""
+
+from __future__ import annotations
+
+from trainguard.controller.api import (
+    JobConfig,
+    NodeObs,
+    Phase,
+    Pool,
+)
+from trainguard.controller.detect import last_line, lost_nodes
+from trainguard.controller.jobstate import (
+    Event,
+    JobState,
+    goto,
+)
+from trainguard.controller.pools import healthy_standby, is_alive, mark_faulty, world_of
+from trainguard.controller.restore import replica_sources, restore_point
+from trainguard.protocol import FaultCause
+
+
+PERSIST_SETTLE_S = 15.0  # a planned stop waits this long for ckptds to verify their queue
+
+
+def apply_policy(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> None:
+    """Restart policy, checked once per fault: user error, no progress, restart budget."""
+    assert s.recovery is not None
+    fault = s.recovery.fault
+    gen = fault.generation
+    # What the guards can see: step reports (the runtime), checkpoints (the Checkpointer). A
+    # plain script shows neither, and is judged by its restart budget, except for a failure
+    # that repeats word for word (a bug in the script, not a transient fault).
+    reports_steps = bool(s.max_step)
+    line = last_line(fault.message) if fault.cause == FaultCause.WORKER_EXIT else ""
+    # A rank could not read the agreed point from any tier: an older one is used next. Not
+    # the script's failure, and not a generation without progress.
+    fallback = [s.restore_step, s.restore_gen] in s.unusable
+    if fallback:
+        point, _ = restore_point(s, obs, cfg, durable)
+        events.append(
+            (
+                "restore_fallback",
+                {
+                    "generation": gen,
+                    "unusable": [s.restore_step, s.restore_gen],
+                    "next": list(point) if point else None,
+                },
+            )
+        )
+        if point is None:
+            s.reason = (
+                f"no restorable checkpoint left: step {s.restore_step} failed to load from "
+                "every tier and no older verified copy exists (see ckpt_restore_failed events)"
+            )
+        else:  # each fallback drops a point, so they are bounded: not charged to the budget
+            s.fallback = True
+        if s.reason:
+            s.recoveries.append(s.recovery)
+            s.recovery = None
+            goto(s, Phase.FAILED, now, events, s.reason)
+        return
+    if fault.cause != FaultCause.WORKER_EXIT:
+        s.prestep_failures = 0
+    elif reports_steps:
+        s.prestep_failures = s.prestep_failures + 1 if gen not in s.max_step else 0
+    else:
+        s.prestep_failures = s.prestep_failures + 1 if line == s.last_failure else 1
+    s.last_failure = line
+    point, _ = restore_point(s, obs, cfg, durable)
+    ckpt_step = point[0] if point else None
+    s.seen_checkpoint = s.seen_checkpoint or ckpt_step is not None
+    if s.seen_checkpoint:  # progress = a newer checkpoint than the one this generation restored
+        progressed = ckpt_step is not None and (
+            s.restore_step is None or ckpt_step > s.restore_step
+        )
+    elif reports_steps:  # its own checkpoints, if any: a step beyond every earlier generation's
+        before = max((v for g, v in s.max_step.items() if g < gen), default=-1)
+        progressed = s.max_step.get(gen, -1) > before
+    else:
+        progressed = True  # nothing to judge progress by: the restart budget decides
+    s.no_progress_generations = 0 if progressed else s.no_progress_generations + 1
+    if s.prestep_failures >= cfg.user_error_generations:
+        s.reason = (
+            f"user error: the script failed before its first step in {s.prestep_failures} "
+            f"generations in a row; last error: {last_line(fault.message)}"
+            if reports_steps
+            else f"user error: the script failed before its first step report, "
+            f"{s.prestep_failures} times in a row with the same error: {line}"
+        )
+    elif s.no_progress_generations >= cfg.no_progress_generations:
+        s.reason = (
+            f"no progress: {s.no_progress_generations} generations in a row without a new "
+            + ("checkpoint" if s.seen_checkpoint else "step beyond the earlier generations'")
+        )
+    elif s.restarts >= cfg.max_restarts:
+        s.reason = f"restart budget spent ({cfg.max_restarts} restarts); last fault: {fault.message.splitlines()[0]}"
+    if s.reason:
+        s.recoveries.append(s.recovery)
+        s.recovery = None
+        goto(s, Phase.FAILED, now, events, s.reason)
+
+
+def replace_and_restart(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> None:
+    # The restore point comes from the memory index: first let every live node's ckptd verify
+    # what its ranks staged before they stopped (bounded by PERSIST_SETTLE_S).
+    busy = [
+        n for n in s.assignment if n in obs and is_alive(obs[n], now, cfg) and not obs[n].ckptd_idle
+    ]
+    if busy and cfg.memory_tier:
+        if s.persist_settle_until is None:
+            s.persist_settle_until = now + PERSIST_SETTLE_S
+        if now < s.persist_settle_until:
+            return
+    s.persist_settle_until = None
+    lost = sorted(
+        set(lost_nodes(s, obs, now, cfg))
+        | {n for n in s.assignment if s.pools.get(n) in (Pool.FAULTY, Pool.RETIRED)},
+        key=lambda n: s.assignment[n],
+    )
+    for n in lost:
+        if s.pools.get(n) not in (Pool.FAULTY, Pool.STANDBY, Pool.RETIRED):
+            mark_faulty(s, n, now, cfg, events, "lost during generation")
+    # Prefer standby nodes; a lost node that came back (fresh agent) is the last resort.
+    spares = [n for n in healthy_standby(s, obs, now, cfg) if n not in lost]
+    spares += [
+        n
+        for n in lost
+        if s.pools.get(n) == Pool.STANDBY and n in obs and is_alive(obs[n], now, cfg)
+    ]
+    shrink = len(lost) - len(spares)
+    if shrink > 0 and cfg.elastic and len(s.assignment) - shrink >= (cfg.min_nodes or cfg.nodes):
+        gone = lost[len(spares) :]
+        lost = lost[: len(spares)]
+        for n in gone:
+            s.assignment.pop(n)
+        events.append(
+            (
+                "membership_changed",
+                {
+                    "from_nodes": len(s.assignment) + len(gone),
+                    "to_nodes": len(s.assignment),
+                    "left": gone,
+                    "reason": f"no standby for {', '.join(gone)}; elastic (at least "
+                    f"{cfg.min_nodes} nodes): going on with {len(s.assignment)}",
+                },
+            )
+        )
+    if len(spares) < len(lost):
+        if s.phase != Phase.WAITING_FOR_NODES:
+            goto(
+                s,
+                Phase.WAITING_FOR_NODES,
+                now,
+                events,
+                f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby",
+            )
+        elif now - s.phase_since > cfg.wait_for_nodes_timeout_s:
+            s.reason = (
+                f"waited {now - s.phase_since:.0f}s for {len(lost) - len(spares)} node(s) to "
+                f"replace {', '.join(lost)}; none came (wait_for_nodes_timeout_s = "
+                f"{cfg.wait_for_nodes_timeout_s:.0f}); re-run with the same --run-dir to resume"
+            )
+            if s.recovery is not None:
+                s.recoveries.append(s.recovery)
+                s.recovery = None
+            goto(s, Phase.FAILED, now, events, s.reason)
+        return
+    for n, spare in zip(lost, spares, strict=False):
+        rank = s.assignment.pop(n)
+        s.assignment[spare] = rank
+        s.pools[spare] = Pool.RUNNING
+        if s.recovery is not None:
+            s.recovery.replaced[n] = spare
+        events.append(
+            (
+                "pool_changed",
+                {
+                    "node": spare,
+                    "from": "standby",
+                    "to": "running",
+                    "reason": f"takes node rank {rank} of {n}",
+                },
+            )
+        )
+    # node ranks stay dense (0..n-1) in their old order when the world shrank
+    order = sorted(s.assignment, key=lambda n: s.assignment[n])
+    s.assignment = {n: i for i, n in enumerate(order)}
+    if s.recovery is not None:
+        s.recovery.t_replaced = now
+    if s.fallback:
+        s.fallback = False
+        why = f"restart from an older checkpoint (restart {s.restarts} of {cfg.max_restarts})"
+    else:
+        s.restarts += 1
+        why = f"restart {s.restarts} of {cfg.max_restarts}"
+    start_generation(s, obs, cfg, now, events, durable, why)
+
+
+def can_grow(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> bool:
+    """Elastic and shrunk, a standby is healthy, and this generation has made progress
+    (so a node that flaps cannot keep the job restarting)."""
+    return (
+        cfg.elastic
+        and len(s.assignment) < cfg.nodes
+        and bool(healthy_standby(s, obs, now, cfg))
+        and s.max_step.get(s.generation, 0) > (s.restore_step or 0)
+    )
+
+
+def persist_planned_stop(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> bool:
+    """A planned stop saves what memory holds: when every rank's newest common snapshot is
+    newer than the newest durable step, the nodes' ckptds persist it (any script, with or
+    without a SIGTERM handler: SIGTERM's default action kills a worker, its snapshots stay in
+    ckptd's memory). Returns True once done (persisted, nothing to persist, or past
+    ``stop_persist_timeout_s``); records ``planned_stop`` with the steps the stop cost."""
+    gen = s.generation
+    if s.persist_done >= gen:
+        return True
+    last = s.max_step.get(gen)
+    newest_durable = max((st for st, _ in durable), default=None)
+    if s.persist is None:
+        # The memory index is whole once every node's ckptd verified what was staged before
+        # the workers stopped (bounded: PERSIST_SETTLE_S, then what is indexed counts).
+        busy = [n for n in s.assignment if n in obs and not obs[n].ckptd_idle]
+        if cfg.memory_tier and busy:
+            if s.persist_settle_until is None:
+                s.persist_settle_until = now + PERSIST_SETTLE_S
+            if now < s.persist_settle_until:
+                return False
+        point = _held_by_every_rank(s, obs, cfg) if cfg.memory_tier else None
+        if point is not None and (newest_durable is None or point[0] > newest_durable):
+            s.persist = {"step": point[0], "generation": point[1],
+                         "deadline": now + cfg.stop_persist_timeout_s}  # fmt: skip
+            events.append(("stop_persist_started", {"step": point[0], "last_step": last}))
+            return False
+        saved = newest_durable
+    elif tuple((s.persist["step"], s.persist["generation"])) in {tuple(d) for d in durable}:
+        saved = int(s.persist["step"])
+    elif now < float(s.persist["deadline"]):
+        return False
+    else:
+        events.append(("stop_persist_failed", {"step": s.persist["step"],
+                       "timeout_s": cfg.stop_persist_timeout_s}))  # fmt: skip
+        saved = newest_durable
+    events.append(
+        (
+            "planned_stop",
+            {
+                "generation": gen,
+                "why": "stop requested" if s.stop_requested else "planned restart",
+                "last_step": last,
+                "saved_step": saved,
+                "steps_lost": None if last is None else last - (saved or 0),
+            },
+        )
+    )
+    s.persist, s.persist_done, s.persist_settle_until = None, gen, None
+    return True
+
+
+def _held_by_every_rank(
+    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig
+) -> tuple[int, int] | None:
+    """The newest (step, generation) that every rank of the assignment holds in its own node's
+    memory (what that node's ckptd can persist), or None."""
+    held: list[set[tuple[int, int]]] = []
+    for node, node_rank in s.assignment.items():
+        mem = obs[node].memory if node in obs else {}
+        for i in range(cfg.nproc_per_node):
+            rank = node_rank * cfg.nproc_per_node + i
+            held.append({(int(p[0]), int(p[1])) for p in mem.get(rank, [])})
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
+
+
+def planned_restart(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> None:
+    """After a planned stop (workers saved; no fault, no budget): each node in ``s.evict`` is
+    quarantined and a healthy standby takes its node rank; otherwise (elastic) standbys join
+    up to ``cfg.nodes``."""
+    s.growing = False
+    spare = healthy_standby(s, obs, now, cfg)
+    if s.evict:
+        for node, why in sorted(s.evict.items()):
+            if node in s.assignment and spare:
+                rank = s.assignment.pop(node)
+                mark_faulty(s, node, now, cfg, events, why)
+                s.assignment[spare.pop(0)] = rank
+        s.evict = {}
+        start_generation(s, obs, cfg, now, events, durable, "replaced a straggler node")
+        return
+    joining = spare[: cfg.nodes - len(s.assignment)]
+    before = len(s.assignment)
+    for n in joining:
+        s.assignment[n] = len(s.assignment)
+        s.pools[n] = Pool.RUNNING
+        events.append(
+            (
+                "pool_changed",
+                {"node": n, "from": "standby", "to": "running", "reason": "elastic growth"},
+            )
+        )
+    events.append(
+        (
+            "membership_changed",
+            {"from_nodes": before, "to_nodes": len(s.assignment), "joined": joining},
+        )
+    )
+    start_generation(s, obs, cfg, now, events, durable, f"grow to {len(s.assignment)} nodes")
+
+
+def start_generation(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    now: float,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+    why: str,
+) -> None:
+    world = world_of(s, cfg)
+    # Memory snapshots are per rank of the old world: after a change, every rank reads DCP.
+    same_world = s.last_world in (0, world)
+    point, tiers = restore_point(s, obs, cfg, durable, memory=same_world)
+    s.last_world = world
+    ckpt_step = point[0] if point else None
+    s.generation += 1
+    s.master_port = None
+    s.restore_step = ckpt_step
+    s.restore_gen = point[1] if point else None
+    s.restore_sources = replica_sources(s, obs, cfg) if same_world else {}
+    s.restore_memory = same_world
+    for n, r in s.assignment.items():
+        if s.pools.get(n) != Pool.RUNNING:
+            events.append(
+                (
+                    "pool_changed",
+                    {
+                        "node": n,
+                        "from": s.pools[n].value if n in s.pools else None,
+                        "to": "running",
+                        "reason": f"node rank {r} of generation {s.generation}",
+                    },
+                )
+            )
+        s.pools[n] = Pool.RUNNING
+    s.gen_incarnations = {n: s.incarnations.get(n, "") for n in s.assignment}
+    if s.recovery is not None:
+        s.recovery.to_generation = s.generation
+        s.recovery.restore_step = ckpt_step
+        s.recovery.restore_tiers = tiers
+        gen_lost = s.recovery.fault.generation
+        s.recovery.steps_lost = max(0, s.max_step.get(gen_lost, 0) - (ckpt_step or 0))
+    events.append(
+        (
+            "generation_started",
+            {
+                "generation": s.generation,
+                "assignment": s.assignment,
+                "restore_step": ckpt_step,
+                "restore_generation": s.restore_gen,
+                "restore_tiers": tiers,
+                "replica_sources": s.restore_sources,
+            },
+        )
+    )
+    goto(s, Phase.RENDEZVOUS, now, events, why)

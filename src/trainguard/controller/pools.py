@@ -1,0 +1,172 @@
+"""Node pools (the seed's lists): admission after pre-flight, quarantine (faulty) and its
+re-checks with back-off, retirement, and the node queries the state machine asks: is a
+node alive, rebooted, a healthy standby; how many ranks the generation has. Pure."""
+
+from __future__ import annotations
+
+from trainguard.controller.api import (
+    JobConfig,
+    NodeObs,
+    Pool,
+)
+from trainguard.controller.jobstate import (
+    Event,
+    JobState,
+)
+
+
+def is_alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
+    return now - o.last_seen <= cfg.node_timeout_s
+
+
+def update_pools(
+    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+) -> None:
+    for node_id, o in sorted(obs.items(), key=lambda kv: kv[1].last_seen):
+        alive = is_alive(o, now, cfg)
+        pool = s.pools.get(node_id)
+        if pool is None and alive:
+            _admit(s, o, now, cfg, events)
+        elif pool == Pool.FAULTY and alive:
+            fresh = s.faulty_incarnations.get(node_id) != o.incarnation
+            due = now >= s.recheck_at.get(node_id, now)
+            if fresh or due:
+                _recheck(s, o, now, cfg, events, fresh)
+        elif pool == Pool.STANDBY and not alive:
+            mark_faulty(s, node_id, now, cfg, events, f"no heartbeat for {now - o.last_seen:.1f}s")
+        if alive:
+            s.incarnations[node_id] = o.incarnation
+
+
+def _admit(s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Event]) -> None:
+    """A node seen for the first time joins standby, once it passed pre-flight (if on); a
+    node that failed pre-flight joins quarantined (faulty), re-checked later."""
+    node = o.node_id
+    if cfg.preflight != "off" and o.checked_at is None:
+        return  # being checked
+    s.join_order.append(node)
+    s.incarnations[node] = o.incarnation
+    if cfg.preflight != "off" and o.check_problems:
+        events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "faulty"}))
+        why = "failed pre-flight: " + "; ".join(o.check_problems)
+        mark_faulty(s, node, now, cfg, events, why)
+        return
+    s.pools[node] = Pool.STANDBY
+    events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "standby"}))
+    if cfg.preflight != "off":
+        events.append(
+            (
+                "pool_changed",
+                {"node": node, "from": None, "to": "standby", "reason": "passed pre-flight"},
+            )
+        )
+
+
+def needs_recheck(s: JobState, o: NodeObs, now: float, cfg: JobConfig) -> bool:
+    """A quarantined node that is reachable, due for its re-check (or back with a fresh agent)
+    and passes its host checks, but has no pre-flight verdict newer than its fault."""
+    if cfg.preflight == "off" or s.pools.get(o.node_id) != Pool.FAULTY or not o.health_ok:
+        return False
+    fresh = s.faulty_incarnations.get(o.node_id) != o.incarnation
+    due = now >= s.recheck_at.get(o.node_id, now)
+    checked = o.checked_at is not None and o.checked_at > s.faulty_since.get(o.node_id, 0.0)
+    return (fresh or due) and not checked
+
+
+def _recheck(
+    s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Event], fresh: bool
+) -> None:
+    """Return a quarantined node to standby when its host checks pass and (pre-flight on) a
+    pre-flight newer than its fault passed; else back off before the next re-check."""
+    node = o.node_id
+    checked = cfg.preflight == "off" or (
+        o.checked_at is not None and o.checked_at > s.faulty_since.get(node, 0.0)
+    )
+    if o.health_ok and not checked:
+        return  # the coordinator is checking it
+    failed = [] if o.health_ok else list(o.health_problems) or ["host checks fail"]
+    if cfg.preflight != "off":
+        failed += list(o.check_problems)
+    if not failed:
+        s.pools[node] = Pool.STANDBY
+        s.recheck_at.pop(node, None)
+        why = "node returned with a fresh agent" if fresh else "reachable again"
+        passed = "host checks pass" if cfg.preflight == "off" else "host checks and pre-flight pass"
+        events.append(
+            (
+                "pool_changed",
+                {"node": node, "from": "faulty", "to": "standby", "reason": f"{why}; {passed}"},
+            )
+        )
+        return
+    if cfg.preflight != "off" and o.check_problems:  # a failed pre-flight counts as a fault
+        s.node_faults[node] = s.node_faults.get(node, 0) + 1
+        if s.node_faults[node] >= cfg.retire_after:
+            s.pools[node] = Pool.RETIRED
+            s.recheck_at.pop(node, None)
+            why = f"retired: failed {s.node_faults[node]} checks (last: {'; '.join(failed)})"
+            events.append(
+                ("pool_changed", {"node": node, "from": "faulty", "to": "retired", "reason": why})
+            )
+            return
+    delay = _recheck_delay(cfg, s.node_faults.get(node, 1)) * 2
+    s.recheck_at[node] = now + delay
+    s.faulty_since[node] = now  # the next re-check needs a newer verdict
+    events.append(("recheck_failed", {"node": node, "problems": failed, "next_in_s": delay}))
+
+
+def _recheck_delay(cfg: JobConfig, faults: int) -> float:
+    return min(600.0, cfg.recheck_s * 2 ** max(0, faults - 1))
+
+
+def mark_faulty(
+    s: JobState, node: str, now: float, cfg: JobConfig, events: list[Event], reason: str
+) -> None:
+    """Move a node to the faulty pool (re-checked later), or retire it after
+    ``cfg.retire_after`` faults."""
+    before = s.pools.get(node)
+    k = s.node_faults[node] = s.node_faults.get(node, 0) + 1
+    s.faulty_incarnations[node] = s.gen_incarnations.get(node) or s.incarnations.get(node, "")
+    s.faulty_since[node] = now
+    if k >= cfg.retire_after:
+        s.pools[node] = Pool.RETIRED
+        s.recheck_at.pop(node, None)
+        why = f"retired: lost {k} times (last: {reason})"
+    else:
+        s.pools[node] = Pool.FAULTY
+        s.recheck_at[node] = now + _recheck_delay(cfg, k)
+        why = f"{reason}; re-check in {_recheck_delay(cfg, k):.0f}s"
+    events.append(
+        (
+            "pool_changed",
+            {
+                "node": node,
+                "from": before.value if before else None,
+                "to": s.pools[node].value,
+                "reason": why,
+            },
+        )
+    )
+
+
+def rebooted(s: JobState, node_id: str, obs: dict[str, NodeObs]) -> bool:
+    """The node's agent restarted since the generation began: its workers died with it."""
+    o = obs.get(node_id)
+    return (
+        o is not None
+        and node_id in s.gen_incarnations
+        and o.incarnation != s.gen_incarnations[node_id]
+    )
+
+
+def healthy_standby(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> list[str]:
+    return [
+        n
+        for n in s.join_order
+        if s.pools.get(n) == Pool.STANDBY and n in obs and is_alive(obs[n], now, cfg)
+    ]
+
+
+def world_of(s: JobState, cfg: JobConfig) -> int:
+    """Ranks of the current generation (fewer than ``cfg.world_size`` while shrunk)."""
+    return (len(s.assignment) or cfg.nodes) * cfg.nproc_per_node
