@@ -21,7 +21,6 @@ from trainguard.controller.pools import healthy_standby, is_alive, mark_faulty, 
 from trainguard.controller.restore import replica_sources, restore_point
 from trainguard.protocol import FaultCause
 
-
 PERSIST_SETTLE_S = 15.0  # a planned stop waits this long for ckptds to verify their queue
 
 
