@@ -8,8 +8,7 @@ from typing import Any
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.decide import desired_for as typed_desired_for
-from trainguard.controller.jobstate import state_from_json
-from trainguard.controller.server import state_json
+from trainguard.controller.jobstate import state_from_json, state_json
 from trainguard.protocol import desired_from_json, desired_to_json
 
 

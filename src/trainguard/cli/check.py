@@ -32,7 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trainguard.controller.api import JobConfig
-from trainguard.controller.server import Controller, pool_lists
+from trainguard.controller.jobstate import pool_lists
+from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from trainguard.controller.server import pool_lists
+from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.store import open_readonly, read_kv
 
 TIMEOUT_S = 5.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from typing import Any
 
 from trainguard.controller.api import Fault, Phase, Pool, Recovery
@@ -216,3 +217,25 @@ def copy_state(s: JobState) -> JobState:
     new.recovery = copy.deepcopy(s.recovery)
     new.persist = copy.deepcopy(s.persist)
     return new
+
+
+def state_json(s: JobState) -> dict[str, Any]:
+    """``s`` as plain JSON values (what the store persists; ``state_from_json`` inverts it)."""
+    d: dict[str, Any] = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+    if s.recovery is not None:
+        d["recovery"] = s.recovery.to_json()
+    d["recoveries"] = [r.to_json() for r in s.recoveries]
+    return json.loads(json.dumps(d, default=str))
+
+
+def pool_lists(pools: dict[str, str]) -> dict[str, list[str]]:
+    """The seed's five node lists from the pools: all, normal (healthy: running or standby),
+    abnormal (faulty or retired), standby, running."""
+    by = {p.value: sorted(n for n, q in pools.items() if q == p.value) for p in Pool}
+    return {
+        "all": sorted(pools),
+        "normal": sorted(by["running"] + by["standby"]),
+        "abnormal": sorted(by["faulty"] + by["retired"]),
+        "standby": by["standby"],
+        "running": by["running"],
+    }

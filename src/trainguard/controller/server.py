@@ -33,21 +33,27 @@ from trainguard import protocol
 from trainguard.checkpoint import storage
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import (
-    STEPS_SEEN_GENERATIONS,
     JobConfig,
     NodeObs,
     Phase,
     Pool,
-    WorkerObs,
 )
+from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for
-from trainguard.controller.jobstate import Inputs, merge_inputs, next_incarnation
+from trainguard.controller.ingest import Milestones, addresses_changed, observe
+from trainguard.controller.jobstate import (
+    Inputs,
+    merge_inputs,
+    next_incarnation,
+    pool_lists,
+    state_json,
+)
 from trainguard.controller.monitor import Monitor
-from trainguard.controller.pools import needs_recheck, world_of
+from trainguard.controller.pools import world_of
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
-from trainguard.health.coordinator import Preflight, Verdict
+from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
 
 log = logging.getLogger("trainguard.controller")
@@ -58,32 +64,6 @@ FULL_PUBLISH_S = 2.0  # every node's desired state is recomputed at least this o
 MAX_WAIT_S = 30.0
 SWITCH_INTERVAL_S = 0.001
 LISTEN_BACKLOG = 4096  # pending connections (the kernel caps it at net.core.somaxconn)
-# New nodes are checked together: a run starts when the expected count has reported, or when
-# no new node has appeared for this long.
-SETTLE_S = 1.5
-PREFLIGHT_RETRIES = 4  # inconclusive pre-flight runs of a node in a row before quarantine
-
-
-def state_json(s: JobState) -> dict[str, Any]:
-    """``s`` as plain JSON values (what the store persists; ``state_from_json`` inverts it)."""
-    d: dict[str, Any] = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-    if s.recovery is not None:
-        d["recovery"] = s.recovery.to_json()
-    d["recoveries"] = [r.to_json() for r in s.recoveries]
-    return json.loads(json.dumps(d, default=str))
-
-
-def pool_lists(pools: dict[str, str]) -> dict[str, list[str]]:
-    """The seed's five node lists from the pools: all, normal (healthy: running or standby),
-    abnormal (faulty or retired), standby, running."""
-    by = {p.value: sorted(n for n, q in pools.items() if q == p.value) for p in Pool}
-    return {
-        "all": sorted(pools),
-        "normal": sorted(by["running"] + by["standby"]),
-        "abnormal": sorted(by["faulty"] + by["retired"]),
-        "standby": by["standby"],
-        "running": by["running"],
-    }
 
 
 def _signature(s: JobState) -> tuple[Any, ...]:
@@ -93,23 +73,6 @@ def _signature(s: JobState) -> tuple[Any, ...]:
         s.phase, s.generation, s.master_port, s.restore_step, s.restore_gen, len(s.fired),
         s.restarts, s.persist is not None, len(s.pools), len(s.assignment),
     )  # fmt: skip
-
-
-def _fold_steps(old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]]) -> dict[int, int]:
-    """``NodeObs.steps_seen`` after one more report: the old fold, the steps its workers show
-    now, and its step records; the newest STEPS_SEEN_GENERATIONS generations kept."""
-    seen = dict(old.steps_seen) if old is not None else {}
-    now = [w.step for w in new.workers.values() if w.step is not None]
-    if new.generation is not None and now:
-        seen[new.generation] = max(seen.get(new.generation, 0), *now)
-    for b in batches:
-        steps = [int(it["step"]) for it in b["items"]]
-        if steps:
-            g = int(b["generation"])
-            seen[g] = max(seen.get(g, 0), *steps)
-    for g in sorted(seen)[:-STEPS_SEEN_GENERATIONS]:
-        del seen[g]
-    return seen
 
 
 class Controller:
@@ -168,12 +131,9 @@ class Controller:
         self._tick_task: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
-        self._marks: dict[str, dict[int, float]] = {}
-        self._first_step_gen: set[int] = set()
+        self._milestones = Milestones()
         self._last_state = ""
-        self._first_seen: dict[str, float] = {}
-        # node → (run, retry at, attempts) of its inconclusive pre-flight verdicts
-        self._unsure: dict[str, tuple[int, float, int]] = {}
+        self._checking = PreflightDriver()
         self._closing = False
         self.monitor = Monitor(
             DetectConfig(
@@ -430,41 +390,11 @@ class Controller:
     def _ingest(self, node_id: str, body: dict[str, Any]) -> None:
         now = time.time()
         old_obs = self.obs.get(node_id)
-        workers = {int(w["rank"]): WorkerObs(**w) for w in body.get("workers", [])}
-        store = body.get("store")
-        self.obs[node_id] = NodeObs(
-            node_id=node_id,
-            addr=str(body["addr"]),
-            incarnation=str(body["incarnation"]),
-            last_seen=now,
-            generation=body.get("generation"),
-            workers=workers,
-            hang=bool(body.get("hang")),
-            stopped_generation=int(body.get("stopped_generation", -1)),
-            stopped_at=body.get("stopped_at"),
-            cleaned_at=body.get("cleaned_at"),
-            memory={int(r): [tuple(p) for p in v] for r, v in (body.get("memory") or {}).items()},
-            ckptd_idle=bool(body.get("ckptd_idle", True)),
-            replicas={
-                int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()
-            },
-            replica_addr=body.get("replica_addr"),
-            fenced_generation=int(body.get("fenced_generation", -1)),
-            health_ok=bool((body.get("health") or {}).get("ok", True)),
-            health_problems=tuple((body.get("health") or {}).get("problems", [])),
-            store=tuple(store) if store else None,  # type: ignore[arg-type]
-            clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
-        )
-        new_obs = self.obs[node_id]
-        new_obs.steps_seen = _fold_steps(old_obs, new_obs, body.get("steps", []))
-        if old_obs is None or (old_obs.addr, old_obs.replica_addr, old_obs.incarnation) != (
-            new_obs.addr,
-            new_obs.replica_addr,
-            new_obs.incarnation,
-        ):
+        new_obs = self.obs[node_id] = observe(node_id, body, old_obs, now)
+        if addresses_changed(old_obs, new_obs):
             self._full_publish = True  # peers' desired states name this node's addresses
         self._dirty.add(node_id)
-        self._first_seen.setdefault(node_id, now)
+        self._checking.seen(node_id, now)
         if self.preflight is not None:
             self.preflight.ingest(node_id, body.get("checks", []))
         for ev in body.get("events", []):
@@ -478,12 +408,19 @@ class Controller:
                 self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
             if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
                 self._inputs.unusable.append((int(ev["step"]), int(ev["point_generation"])))
-            if kind in ("ckpt_load_start", "ckpt_load_end"):
-                self._mark(kind, int(ev.get("generation", -1)), int(ev["rank"]), float(ts or now))
+            rec = self.state.recovery
+            gen = int(ev.get("generation", -1))
+            if kind in ("ckpt_load_start", "ckpt_load_end") and rec and rec.to_generation == gen:
+                world = world_of(self.state, self.cfg)
+                got = self._milestones.load(kind, gen, int(ev["rank"]), float(ts or now), world)
+                self._inputs.milestones += got
         for batch in body.get("steps", []):
             gen, rank, items = int(batch["generation"]), int(batch["rank"]), batch["items"]
             self.store.add_steps(gen, rank, items)
-            self._on_steps(gen, rank, items)
+            first, got = self._milestones.steps(gen, rank, items, world_of(self.state, self.cfg))
+            if first is not None:
+                self.store.record("first_step", first)
+            self._inputs.milestones += got
             if gen == self.state.generation and items:
                 world = world_of(self.state, self.cfg)
                 for kind, data in self.monitor.on_steps(gen, world, rank, items):
@@ -512,33 +449,6 @@ class Controller:
             return
         why = f"straggler: rank {data['rank']} computes {data['score']}x the median"
         self._inputs.evict[str(node)] = why
-
-    def _mark(self, kind: str, gen: int, rank: int, ts: float) -> None:
-        rec = self.state.recovery
-        if rec is None or rec.to_generation != gen:
-            return
-        marks = self._marks.setdefault(f"{gen}:{kind}", {})
-        marks[rank] = ts
-        if len(marks) == world_of(self.state, self.cfg):
-            name = "t_rendezvous" if kind == "ckpt_load_start" else "t_loaded"
-            self._inputs.milestones.append((gen, name, max(marks.values())))
-
-    def _on_steps(self, gen: int, rank: int, items: list[dict[str, Any]]) -> None:
-        if gen in self._first_step_gen or not items:
-            return
-        first = min(items, key=lambda it: it["step"])
-        marks = self._marks.setdefault(f"{gen}:first_step", {})
-        marks.setdefault(rank, float(first["t_end"]))
-        starts = self._marks.setdefault(f"{gen}:first_step_start", {})
-        starts.setdefault(rank, float(first["t_end"]) - float(first["dur"]))
-        if len(marks) < world_of(self.state, self.cfg):
-            return
-        self._first_step_gen.add(gen)
-        self.store.record(
-            "first_step", {"generation": gen, "step": first["step"], "t": max(marks.values())}
-        )
-        self._inputs.milestones.append((gen, "t_first_step_start", max(starts.values())))
-        self._inputs.milestones.append((gen, "t_first_step", max(marks.values())))
 
     # ------------------------------------------------------------------ tick
     def _durable(self, unusable: list[list[int]]) -> tuple[list[tuple[int, int]], list[Event]]:
@@ -601,7 +511,10 @@ class Controller:
     async def _decide_tick(self) -> None:
         if self.preflight is not None:
             try:
-                self._preflight_tick(time.time())
+                now = time.time()
+                self._checking.tick(
+                    self.preflight, now, self.obs, self.state, self.cfg, self.store, self.check_only
+                )
             except Exception:  # a bug in the checks must not stop the job's decisions
                 log.exception("pre-flight tick failed; the run is abandoned")
                 self.preflight.abandon(time.time(), "pre-flight failed internally (see log)")
@@ -625,7 +538,7 @@ class Controller:
             self.store.record(kind, data)
             self._log_event(kind, data)
         if new.recovery is not None and self.state.recovery is None:
-            self._marks.clear()  # a new recovery: its milestones are counted afresh
+            self._milestones.clear()  # a new recovery: its milestones are counted afresh
         self.state = new
         sig = _signature(new)
         changed, self._signature = bool(events) or sig != self._signature, sig
@@ -697,60 +610,6 @@ class Controller:
     def _alive(self, node_id: str, now: float) -> bool:
         o = self.obs.get(node_id)
         return o is not None and now - o.last_seen <= self.cfg.node_timeout_s
-
-    def _preflight_tick(self, now: float) -> None:
-        """Advance the pre-flight run; start one for new nodes (batched) or quarantined nodes
-        due for a re-check; hand verdicts to the observations ``decide`` reads."""
-        pf = self.preflight
-        assert pf is not None
-        pf.tick(now, {n for n in self.obs if self._alive(n, now)})
-        for n, o in self.obs.items():
-            v = pf.verdicts.get(n)
-            if v is not None and v.inconclusive:
-                self._retry_inconclusive(n, v, now)
-            elif v is not None:
-                self._unsure.pop(n, None)
-                o.checked_at, o.check_problems = v.at, v.problems
-        if pf.active is not None or self.check_only or self.state.phase.terminal:
-            return
-        s = self.state
-        alive = [n for n in sorted(self.obs) if self._alive(n, now)]
-        new = [n for n in alive if n not in s.pools and n not in pf.verdicts]
-        recheck = [n for n in alive if needs_recheck(s, self.obs[n], now, self.cfg)]
-        if new:
-            settled = now - max(self._first_seen[n] for n in new) >= SETTLE_S
-            if settled or len(new) + len(s.pools) >= self.cfg.nodes + self.cfg.standby:
-                pf.start(new + recheck, "new node(s) joining the pool", now)
-        elif recheck:
-            pf.start(recheck, "re-check before readmission", now)
-
-    def _retry_inconclusive(self, node: str, v: Verdict, now: float) -> None:
-        """An inconclusive verdict (the check's machinery failed): check the node again after
-        a back-off (``inconclusive_backoff_s``, doubling: 5, 10, 20, 40 s). After
-        PREFLIGHT_RETRIES of them in a row it joins quarantine with that reason (re-checked
-        later like any quarantined node). Called every tick (observations are rebuilt from
-        each report)."""
-        pf, o = self.preflight, self.obs[node]
-        assert pf is not None
-        seen = self._unsure.get(node)
-        if seen is None or seen[0] != v.run:  # a new inconclusive verdict
-            attempt = (seen[2] if seen is not None else 0) + 1
-            delay = min(60.0, pf.cfg.inconclusive_backoff_s * 2 ** (attempt - 1))
-            seen = self._unsure[node] = (v.run, now + delay, attempt)
-            if attempt <= PREFLIGHT_RETRIES:
-                self.store.record(
-                    "preflight_inconclusive",
-                    {"node": node, "run": v.run, "attempt": attempt, "retry_in_s": delay,
-                     "problems": list(v.problems)},
-                )  # fmt: skip
-        if seen[2] > PREFLIGHT_RETRIES:
-            o.checked_at = v.at
-            o.check_problems = (
-                f"pre-flight inconclusive {PREFLIGHT_RETRIES + 1} times in a row (the check "
-                f"itself failed, not a measurement): {v.problems[0]}",
-            )
-        elif now >= seen[1]:
-            pf.verdicts.pop(node, None)  # unchecked again: the next run takes it
 
     def _check_only_tick(self, now: float) -> None:
         pf = self.preflight

@@ -1,0 +1,92 @@
+"""The pre-flight's side of the controller's tick: start a run for new nodes (batched:
+SETTLE_S after the last one appeared, or once the whole pool is there) and for quarantined
+nodes due for a re-check, retry inconclusive verdicts with back-off, and copy each verdict
+into the node's observation that ``decide`` reads."""
+
+from __future__ import annotations
+
+from trainguard.controller.api import JobConfig, NodeObs
+from trainguard.controller.jobstate import JobState
+from trainguard.controller.pools import is_alive, needs_recheck
+from trainguard.controller.store import Store
+from trainguard.health.coordinator import Preflight, Verdict
+
+# New nodes are checked together: a run starts when the expected count has reported, or when
+# no new node has appeared for this long.
+SETTLE_S = 1.5
+PREFLIGHT_RETRIES = 4  # inconclusive pre-flight runs of a node in a row before quarantine
+
+
+class PreflightDriver:
+    """Per-node bookkeeping of the pre-flight across ticks: when each node was first seen,
+    and its run of inconclusive verdicts."""
+
+    def __init__(self) -> None:
+        self.first_seen: dict[str, float] = {}
+        # node → (run, retry at, attempts) of its inconclusive pre-flight verdicts
+        self._unsure: dict[str, tuple[int, float, int]] = {}
+
+    def seen(self, node: str, now: float) -> None:
+        """``node`` reported at ``now`` (its first report starts its settle time)."""
+        self.first_seen.setdefault(node, now)
+
+    def tick(
+        self,
+        pf: Preflight,
+        now: float,
+        obs: dict[str, NodeObs],
+        s: JobState,
+        cfg: JobConfig,
+        store: Store,
+        check_only: bool,
+    ) -> None:
+        """Advance the pre-flight run; start one for new nodes (batched) or quarantined nodes
+        due for a re-check; hand verdicts to the observations ``decide`` reads."""
+        alive = [n for n in sorted(obs) if is_alive(obs[n], now, cfg)]
+        pf.tick(now, set(alive))
+        for n, o in obs.items():
+            v = pf.verdicts.get(n)
+            if v is not None and v.inconclusive:
+                self._retry_inconclusive(pf, o, v, now, store)
+            elif v is not None:
+                self._unsure.pop(n, None)
+                o.checked_at, o.check_problems = v.at, v.problems
+        if pf.active is not None or check_only or s.phase.terminal:
+            return
+        new = [n for n in alive if n not in s.pools and n not in pf.verdicts]
+        recheck = [n for n in alive if needs_recheck(s, obs[n], now, cfg)]
+        if new:
+            settled = now - max(self.first_seen[n] for n in new) >= SETTLE_S
+            if settled or len(new) + len(s.pools) >= cfg.nodes + cfg.standby:
+                pf.start(new + recheck, "new node(s) joining the pool", now)
+        elif recheck:
+            pf.start(recheck, "re-check before readmission", now)
+
+    def _retry_inconclusive(
+        self, pf: Preflight, o: NodeObs, v: Verdict, now: float, store: Store
+    ) -> None:
+        """An inconclusive verdict (the check's machinery failed): check the node again after
+        a back-off (``inconclusive_backoff_s``, doubling: 5, 10, 20, 40 s). After
+        PREFLIGHT_RETRIES of them in a row it joins quarantine with that reason (re-checked
+        later like any quarantined node). Called every tick (observations are rebuilt from
+        each report)."""
+        node = o.node_id
+        seen = self._unsure.get(node)
+        if seen is None or seen[0] != v.run:  # a new inconclusive verdict
+            attempt = (seen[2] if seen is not None else 0) + 1
+            delay = min(60.0, pf.cfg.inconclusive_backoff_s * 2 ** (attempt - 1))
+            seen = self._unsure[node] = (v.run, now + delay, attempt)
+            if attempt <= PREFLIGHT_RETRIES:
+                store.record(
+                    "preflight_inconclusive",
+                    {"node": node, "run": v.run, "attempt": attempt, "retry_in_s": delay,
+                     "problems": list(v.problems)},
+                )  # fmt: skip
+        if seen[2] > PREFLIGHT_RETRIES:
+            o.checked_at = v.at
+            o.check_problems = (
+                f"pre-flight inconclusive {PREFLIGHT_RETRIES + 1} times in a row (the check "
+                f"itself failed, not a measurement): {v.problems[0]}",
+            )
+        elif now >= seen[1]:
+            pf.verdicts.pop(node, None)  # unchecked again: the next run takes it
