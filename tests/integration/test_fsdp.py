@@ -91,7 +91,13 @@ def test_world_change_reshards_the_durable_checkpoint(
     changes = [(e["from_nodes"], e["to_nodes"]) for e in evs if e["kind"] == "membership_changed"]
     assert changes[:1] == [(2, 1)], changes
     dropped = [e for e in evs if e["kind"] == "ckpt_per_rank_dropped"]
-    assert [(e["generation"], e["ranks"]) for e in dropped][:1] == [(1, [2, 3])], dropped
+    # (seen empty once with three tests on two cores; the generations and loads say why)
+    why = [
+        (e["kind"], e.get("generation"), e.get("restore_step"), e.get("rank"), e.get("tier"))
+        for e in evs
+        if e["kind"] in ("generation_started", "ckpt_load_end", "ckpt_skipped")
+    ]
+    assert [(e["generation"], e["ranks"]) for e in dropped][:1] == [(1, [2, 3])], why
     assert set(_loads(run_dir, 1).values()) == {"durable"} and len(_loads(run_dir, 1)) == 2
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
