@@ -20,7 +20,6 @@ import ctypes
 import dataclasses
 import datetime
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -33,9 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from trainguard import protocol
+from trainguard.agent import env as agent_env
 from trainguard.agent import outside
 from trainguard.agent import workers as wk
 from trainguard.agent.checks import CheckRunner
@@ -61,10 +59,10 @@ LOOP_S = 0.05
 # [hang_timeout_min_s, hang_timeout_max_s]. NVIDIA's resiliency extension derives its
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
 CALIBRATION_FACTOR = 10.0
-EXIT_CONTROLLER_LOST = 3
+EXIT_CONTROLLER_LOST = 3  # the agent's exit status when it gave up on its controller
 # A live ckptd that has not answered its agent's status call for this long is killed and
 # restarted (liveness with a deadline: a frozen daemon holds the node's snapshots hostage).
-CKPTD_DEADLINE_S = 15.0  # the agent's exit status when it gave up on its controller
+CKPTD_DEADLINE_S = 15.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,14 +76,6 @@ class AgentConfig:
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
     # Exit (workers stopped, slots released) after this long without controller contact.
     give_up_s: float | None = 600.0
-
-
-def interface_of(addr: str) -> str | None:
-    """The network interface holding ``addr`` (gloo must use it: GLOO_SOCKET_IFNAME), or None."""
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
-            return name
-    return "lo" if addr.startswith("127.") else None
 
 
 def hang_limit(desired: Run, w: wk.Worker) -> float:
@@ -158,60 +148,12 @@ class Agent:
 
     # ------------------------------------------------------------------ environment
     def _base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several workers per node
-        ifname = self.cfg.gloo_ifname or interface_of(self.cfg.addr)
-        if ifname:
-            env.setdefault("GLOO_SOCKET_IFNAME", ifname)
-        env["PYTHONUNBUFFERED"] = "1"
-        env[rt_api.ENV_NODE_ID] = self.cfg.node_id  # names this node's processes (leftovers)
-        env["TRAINGUARD_AGENT_PID"] = str(os.getpid())  # and their owner
-        return env
+        return agent_env.base_env(self.cfg)
 
     def _worker_env(self, d: Run, local_rank: int) -> dict[str, str]:
-        gen, nproc = d.generation, d.nproc_per_node
-        rank = d.node_rank * nproc + local_rank
-        run_dir = str(self.cfg.run_dir.resolve())
-        return {
-            **self._base_env(),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(d.world_size),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": str(d.node_rank),
-            "GROUP_WORLD_SIZE": str(d.nnodes),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(d.world_size),
-            "ROLE_NAME": "default",
-            "MASTER_ADDR": str(d.master_addr),
-            "MASTER_PORT": str(d.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(d.restarts),
-            "TORCHELASTIC_MAX_RESTARTS": str(d.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.cfg.run_dir.name,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_ERROR_FILE": str(
-                self.cfg.run_dir / "errors" / f"gen{gen}.rank{rank}.json"
-            ),
-            rt_api.ENV_AGENT_ADDR: f"{self.cfg.addr}:{self.report_port}",
-            rt_api.ENV_TOKEN: self.cfg.token,
-            rt_api.ENV_RUN_DIR: run_dir,
-            rt_api.ENV_GENERATION: str(gen),
-            rt_api.ENV_RESTORE_STEP: "" if d.restore_step is None else str(d.restore_step),
-            rt_api.ENV_INJECT: json.dumps(d.injects),
-            # the runtime → agent beat stays local and fast whatever the report period
-            rt_api.ENV_HEARTBEAT_S: str(min(d.heartbeat_s, rt_api.DEFAULT_HEARTBEAT_S)),
-            rt_api.ENV_CKPT_DIR: str(d.ckpt.dir),
-            rt_api.ENV_RESTORE_GEN: "" if d.restore_gen is None else str(d.restore_gen),
-            rt_api.ENV_RESTORE_MEMORY: "1" if d.restore_memory else "0",
-            rt_api.ENV_CKPTD: ckptd_mod.socket_name(self.job_id, self.cfg.node_id)
-            if d.ckpt.memory_tier
-            else "",
-            rt_api.ENV_MEMORY_TIER: "1" if d.ckpt.memory_tier else "0",
-            rt_api.ENV_SHM_DIR: str(d.ckpt.shm_dir),
-            rt_api.ENV_JOB_ID: self.job_id,
-            rt_api.ENV_REPLICA_SOURCE: str(d.replica_sources.get(str(rank), "")),
-            rt_api.ENV_NODE_ID: self.cfg.node_id,
-        }
+        return agent_env.worker_env(
+            self.cfg, d, local_rank, report_port=self.report_port, job_id=self.job_id
+        )
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
