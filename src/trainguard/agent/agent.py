@@ -189,12 +189,7 @@ class Agent:
                     )  # fmt: skip
                     code = EXIT_CONTROLLER_LOST
                     break
-                self._drain_udp()
-                self._poll_workers()
-                self._watch_outside()
-                self._watch_hangs()
-                self._fence()
-                if self._reconcile():
+                if self.loop_once():
                     break
                 self._wake.wait(LOOP_S)
                 self._wake.clear()
@@ -205,6 +200,25 @@ class Agent:
             self._stop_ckptd()
             self._report_once(timeout_s=2.0)
         return code
+
+    def loop_once(self) -> bool:
+        """One pass of the main loop (``run`` repeats it every LOOP_S s or on a wake-up):
+        worker reports drained, workers polled, the outside view and hang watch, fencing,
+        then one reconcile toward the desired state. Returns True when the agent should
+        exit. With ``want`` it is the seam that drives an agent without a controller."""
+        self._drain_udp()
+        self._poll_workers()
+        self._watch_outside()
+        self._watch_hangs()
+        self._fence()
+        return self._reconcile()
+
+    def want(self, desired: Desired) -> None:
+        """Take ``desired`` as the newest desired state, as a controller's answer would
+        (its version one above the current)."""
+        with self._lock:
+            self._desired = (self._desired[0] + 1, desired)
+        self._wake.set()
 
     # ------------------------------------------------------------------ ckptd
     def _slots(self, shm_dir: str) -> list[Path]:
