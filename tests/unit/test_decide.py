@@ -8,7 +8,7 @@ from typing import Any
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.decide import desired_for as typed_desired_for
-from trainguard.controller.jobstate import state_from_json, state_json
+from trainguard.controller.jobstate import StateEncoder, state_from_json, state_json
 from trainguard.protocol import desired_from_json, desired_to_json
 
 
@@ -609,10 +609,14 @@ def test_decide_never_changes_the_state_it_was_given() -> None:
     originals = []
     real = decide
 
+    encoder = StateEncoder()
+
     def checked(s: JobState, *a: object) -> tuple[JobState, list[object]]:
         before = json.dumps(state_json(s), sort_keys=True)
         out = real(s, *a)  # type: ignore[arg-type]
         assert json.dumps(state_json(s), sort_keys=True) == before
+        # what the controller persists, re-encoding changed fields only, is the whole state
+        assert json.loads(encoder.encode(out[0])) == state_json(out[0])
         originals.append(before)
         return out  # type: ignore[return-value]
 

@@ -228,6 +228,41 @@ def state_json(s: JobState) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
+def _field_json(name: str, v: Any) -> str:
+    if name == "recovery" and v is not None:
+        v = v.to_json()
+    elif name == "recoveries":
+        v = [r.to_json() for r in v]
+    return json.dumps(v, default=str, sort_keys=True)
+
+
+class StateEncoder:
+    """The JSON text of successive job states (``state_json``'s content, keys sorted),
+    re-encoding only the fields that changed since the last call: at thousands of nodes the
+    node maps (pools, assignment, incarnations) are most of the text and change rarely,
+    while step counters change every tick. Equality is checked on the values the previous
+    state held (``decide`` never changes a state it returned: it works on a copy)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[Any, str]] = {}
+
+    def encode(self, s: JobState) -> str:
+        parts = []
+        for name in sorted(f.name for f in dataclasses.fields(s)):
+            v = getattr(s, name)
+            seen = self._last.get(name)
+            if seen is not None and seen[0] is v:
+                text = seen[1]  # the very same object: unchanged (a field decide did not copy)
+            elif seen is not None and type(seen[0]) is type(v) and seen[0] == v:
+                text = seen[1]
+                self._last[name] = (v, text)
+            else:
+                text = _field_json(name, v)
+                self._last[name] = (v, text)
+            parts.append(f"{json.dumps(name)}: {text}")
+        return "{" + ", ".join(parts) + "}"
+
+
 def pool_lists(pools: dict[str, str]) -> dict[str, list[str]]:
     """The seed's five node lists from the pools: all, normal (healthy: running or standby),
     abnormal (faulty or retired), standby, running."""

@@ -83,6 +83,10 @@ class Store:
             "INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value, default=str))
         )
 
+    def put_text(self, key: str, text: str) -> None:
+        """``put`` of a value already encoded as JSON ``text`` (no second encoding)."""
+        self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, text))
+
     def get(self, key: str) -> Any:
         row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
