@@ -254,7 +254,10 @@ def desired_from_json(body: Any) -> Desired:
             raise ProtocolError(f"desired.ckpt: {e}") from None
     if kind is Stop and isinstance(args.get("persist"), dict):
         p = args["persist"]
-        args["persist"] = (int(p["step"]), int(p["generation"]))
+        try:
+            args["persist"] = (int(p["step"]), int(p["generation"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"desired.persist: step and generation integers ({e!r})") from None
     try:
         return kind(**args)  # type: ignore[no-any-return]
     except TypeError as e:  # a missing or unknown field

@@ -96,6 +96,10 @@ def test_each_desired_state_type_survives_the_wire(desired: protocol.Desired) ->
         ({"action": "stop", "grace_s": 1.0}, "desired stop"),
         ({"action": "shutdown", "phase": "FAILED", "reason": "x", "extra": 1}, "desired shutdown"),
         ({"action": "idle", "ckpt": {"dir": "/c"}}, "desired.ckpt"),
+        (
+            {"action": "stop", "generation": 1, "grace_s": 1.0, "persist": {"s": 1}},
+            "desired.persist",
+        ),
     ],
 )
 def test_a_malformed_desired_state_is_refused_by_name(body: object, says: str) -> None:

@@ -51,7 +51,7 @@ from trainguard.controller.jobstate import (
     state_json,
 )
 from trainguard.controller.monitor import Monitor
-from trainguard.controller.pools import world_of
+from trainguard.controller.pools import is_alive, world_of
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
@@ -620,7 +620,7 @@ class Controller:
 
     def _alive(self, node_id: str, now: float) -> bool:
         o = self.obs.get(node_id)
-        return o is not None and now - o.last_seen <= self.cfg.node_timeout_s
+        return o is not None and is_alive(o, now, self.cfg)  # the rule decide uses
 
     def _check_only_tick(self, now: float) -> None:
         pf = self.preflight
