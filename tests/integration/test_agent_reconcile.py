@@ -56,7 +56,7 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
         yield a
     finally:
         a._stop_workers(grace_s=1.0)
-        a.spares.close()
+        a.launcher.close()
         a._sock.close()
         a._spare_log.close()
 

@@ -34,11 +34,9 @@ def test_steps_seen_keeps_only_the_newest_generations() -> None:
     assert o is not None and sorted(o.steps_seen) == list(range(10 - STEPS_SEEN_GENERATIONS, 10))
 
 
-def test_the_pre_flight_verdict_outlives_a_report_and_addresses_are_compared() -> None:
+def test_addresses_are_compared() -> None:
     o1 = observe("n", report(None, []), None, now=1.0)
-    o1.checked_at, o1.check_problems = 1.0, ("gemm: 3 wrong results",)
     o2 = observe("n", report(None, []), o1, now=2.0)
-    assert (o2.checked_at, o2.check_problems) == (1.0, ("gemm: 3 wrong results",))
     assert not addresses_changed(o1, o2)
     assert addresses_changed(o2, observe("n", report(None, [], incarnation="b"), o2, now=3.0))
     assert addresses_changed(None, o2)

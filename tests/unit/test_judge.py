@@ -8,6 +8,7 @@ from typing import Any
 
 from trainguard.controller.api import JobConfig, NodeObs, Pool
 from trainguard.controller.decide import JobState, decide
+from trainguard.controller.jobstate import Inputs
 from trainguard.controller.pools import needs_recheck
 from trainguard.health.judge import (
     CheckConfig,
@@ -136,9 +137,8 @@ def test_decide_admits_a_node_only_after_it_passed_preflight() -> None:
     obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=100.0) for n in ("good", "bad")}
     s, _ = decide(JobState(), obs, 100.0, cfg, [])
     assert s.pools == {}  # being checked
-    obs["good"].checked_at, obs["bad"].checked_at = 100.5, 100.5
-    obs["bad"].check_problems = ("GEMM wrong: 1 element(s)",)
-    s, ev = decide(s, obs, 101.0, cfg, [])
+    verdicts = {"good": (100.5, ()), "bad": (100.5, ("GEMM wrong: 1 element(s)",))}
+    s, ev = decide(s, obs, 101.0, cfg, [], Inputs(verdicts=verdicts))
     assert s.pools["bad"] == Pool.FAULTY and s.assignment == {"good": 0}
     why = [d["reason"] for k, d in ev if k == "pool_changed" and d["node"] == "bad"]
     assert why[0].startswith("failed pre-flight: GEMM wrong")
@@ -148,8 +148,7 @@ def test_decide_admits_a_node_only_after_it_passed_preflight() -> None:
     assert needs_recheck(s, obs["bad"], 200.0, cfg)
     s, _ = decide(s, obs, 200.0, cfg, [])
     assert s.pools["bad"] == Pool.FAULTY
-    obs["bad"].checked_at, obs["bad"].check_problems = 200.5, ()
-    s, ev = decide(s, obs, 201.0, cfg, [])
+    s, ev = decide(s, obs, 201.0, cfg, [], Inputs(verdicts={"bad": (200.5, ())}))
     assert s.pools["bad"] == Pool.STANDBY and not needs_recheck(s, obs["bad"], 201.0, cfg)
 
 
@@ -182,9 +181,9 @@ def test_a_job_whose_nodes_all_fail_preflight_fails_with_their_reasons() -> None
     cfg = JobConfig(
         script="t.py", run_dir="/tmp/x", nodes=2, preflight="quick", join_timeout_s=30.0
     )
-    obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=1.0, checked_at=1.0,
-                      check_problems=("GEMM wrong: 1 element(s)",)) for n in ("a", "b")}  # fmt: skip
-    s, _ = decide(JobState(phase_since=0.0), obs, 1.0, cfg, [])
+    obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=1.0) for n in ("a", "b")}
+    wrong = Inputs(verdicts={n: (1.0, ("GEMM wrong: 1 element(s)",)) for n in ("a", "b")})
+    s, _ = decide(JobState(phase_since=0.0), obs, 1.0, cfg, [], wrong)
     assert s.phase.value == "PENDING" and s.pools == {"a": Pool.FAULTY, "b": Pool.FAULTY}
     # Issue 13, property 5: a third node still being checked when the join timeout passes
     # is waited for (its check has its own deadlines); the reason gives the real time.
@@ -193,10 +192,11 @@ def test_a_job_whose_nodes_all_fail_preflight_fails_with_their_reasons() -> None
         o.last_seen = 31.0
     s, _ = decide(s, obs, 31.0, cfg, [])
     assert s.phase.value == "PENDING"
-    obs["c"].checked_at, obs["c"].check_problems = 44.0, ("GEMM wrong: 2 element(s)",)
     for o in obs.values():
         o.last_seen = 45.0
-    s, _ = decide(s, obs, 45.0, cfg, [])
+    s, _ = decide(
+        s, obs, 45.0, cfg, [], Inputs(verdicts={"c": (44.0, ("GEMM wrong: 2 element(s)",))})
+    )
     assert s.phase.value == "FAILED"
     assert s.reason.startswith(
         "only 0 of the 2 nodes needed passed pre-flight in 45s; failed: a: GEMM"

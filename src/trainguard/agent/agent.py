@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,12 +36,13 @@ from trainguard.agent import env as agent_env
 from trainguard.agent import outside
 from trainguard.agent import workers as wk
 from trainguard.agent.checks import CheckRunner
-from trainguard.agent.link import ControllerLink, HTTPStatusError, backoff_after
+from trainguard.agent.ckptd_sup import CkptdSupervisor
+from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
+from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
 from trainguard.protocol import (
     Check,
-    CkptConf,
     Desired,
     Idle,
     Run,
@@ -60,9 +60,6 @@ LOOP_S = 0.05
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
 CALIBRATION_FACTOR = 10.0
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when it gave up on its controller
-# A live ckptd that has not answered its agent's status call for this long is killed and
-# restarted (liveness with a deadline: a frozen daemon holds the node's snapshots hostage).
-CKPTD_DEADLINE_S = 15.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,15 +89,23 @@ def hang_limit(desired: Run, w: wk.Worker) -> float:
 
 
 class Agent:
-    """One node's agent. ``run()`` returns the process exit status."""
+    """One node's agent. ``run()`` returns the process exit status.
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    ``launcher`` starts and stops worker processes (default: real ones from warm spares,
+    ``group.ProcessLauncher``); ``link`` carries requests to the controller (default: a
+    kept-alive HTTP connection per thread). Both are seams: a test drives the reconcile loop
+    (``want`` or ``report_once``, then ``loop_once``) with its own, without processes.
+    """
+
+    def __init__(
+        self, cfg: AgentConfig, *, launcher: Launcher | None = None, link: Link | None = None
+    ) -> None:
         self._last_report_ok = time.monotonic()  # of the last report the controller took
         self._last_warned = -1e9  # when we last logged that the controller is unreachable
         self._fenced_generation = -1  # never restart these workers: the job moved on
         self._refused_since: float | None = None  # the controller refuses our node id (409)
         self.cfg = cfg
-        self._link = ControllerLink(cfg.controller, cfg.token)  # kept-alive, per thread
+        self._link = link or ControllerLink(cfg.controller, cfg.token)  # kept-alive, per thread
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
         self._lock = threading.Lock()
@@ -109,18 +114,12 @@ class Agent:
         self._shutdown = threading.Event()
         # No spares before the controller says how many (a node may be checked first).
         self._desired: tuple[int, Desired] = (0, Idle())
-        self.generation: int | None = None
         self._run_desired: Run | None = None  # the generation whose workers run here
-        self.workers: dict[int, wk.Worker] = {}
         self._hang = False
         self._hang_mono = 0.0  # when the hang was flagged
-        self._ckptd_silent_since: float | None = None  # ckptd alive but not answering since
-        self._persisted: tuple[int, int] | None = None  # (step, gen) persisted on a planned stop
         self._drills_fired: set[int] = set()  # timed drills (after=T) fired by this agent
         self._sampled_mono = 0.0  # when the outside view was last read
         self._stopped_generation = -1
-        self._stopped_at: float | None = None
-        self._cleaned_at: float | None = None
         self._store: tuple[int, Any] | None = None
         self._events: list[dict[str, Any]] = []
         self._steps: dict[tuple[int, int], list[dict[str, Any]]] = {}
@@ -133,18 +132,35 @@ class Agent:
         self.report_port = self._sock.getsockname()[1]
         self._spare_log = open(cfg.run_dir / "logs" / f"spares.{cfg.node_id}.log", "ab")  # noqa: SIM115
         self.job_id = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
-        self._ckpt_cfg: CkptConf | None = None
-        self._ckptd: subprocess.Popen[bytes] | None = None
-        self._ckptd_client: ckptd_mod.CkptdClient | None = None
-        self._memory: dict[str, Any] = {}
-        self._ckptd_idle = True  # ckptd verified everything staged (the memory index is whole)
-        self._replicas: dict[str, Any] = {}  # source rank → [(step, gen)] held for peers
-        self._replica_addr: str | None = None  # our ckptd's replica server
-        self._replica_peers: list[str] | None = None  # where our ckptd replicates (told to it)
+        self.ckptd = CkptdSupervisor(
+            job_id=self.job_id, node_id=cfg.node_id, token=cfg.token, bind=cfg.addr,
+            run_dir=cfg.run_dir, on_event=self._event,
+            idle=self._drain_udp,  # workers' heartbeats and keep-alives go on arriving
+        )  # fmt: skip
         # Spares carry the run dir so that every process of a job can be attributed to it.
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
-        self.spares = wk.SparePool(spare_env, self._spare_log)
+        self.launcher = launcher or ProcessLauncher(spare_env, self._spare_log)
+        self.group = WorkerGroup(self.launcher, self._event)
         self.checks = CheckRunner(cfg.run_dir, cfg.node_id, cfg.controller.rsplit(":", 1)[0])
+
+    @property
+    def generation(self) -> int | None:
+        """The generation whose workers run here (None: none)."""
+        return self.group.generation
+
+    @property
+    def workers(self) -> dict[int, wk.Worker]:
+        """This node's workers of that generation, by global rank."""
+        return self.group.workers
+
+    def close(self) -> None:
+        """Stop the workers, kill the spares, close sockets and files (``run`` does this on
+        its way out; for an agent driven by ``loop_once``)."""
+        self._stop_workers(grace_s=1.0)
+        self.launcher.close()
+        self._link.close()
+        self._sock.close()
+        self._spare_log.close()
 
     # ------------------------------------------------------------------ environment
     def _base_env(self) -> dict[str, str]:
@@ -196,9 +212,9 @@ class Agent:
         finally:
             self.checks.stop()
             self._stop_workers(grace_s=15.0)
-            self.spares.close()
-            self._stop_ckptd()
-            self._report_once(timeout_s=2.0)
+            self.launcher.close()
+            self.ckptd.stop()
+            self.report_once(timeout_s=2.0)
         return code
 
     def loop_once(self) -> bool:
@@ -220,120 +236,8 @@ class Agent:
             self._desired = (self._desired[0] + 1, desired)
         self._wake.set()
 
-    # ------------------------------------------------------------------ ckptd
-    def _slots(self, shm_dir: str) -> list[Path]:
-        return sorted(Path(shm_dir).glob(f"trainguard-{self.job_id}-{self.cfg.node_id}-*"))
-
-    def _ensure_ckptd(self, ckpt: CkptConf) -> None:
-        """Start the node's ckptd, or restart it if it died (it re-adopts intact slots)."""
-        if not ckpt.memory_tier:
-            return
-        if self._ckptd is not None and self._ckptd.poll() is None:
-            return
-        if self._ckptd is None:
-            for path in self._slots(ckpt.shm_dir):  # a (re)booted node's memory is empty
-                path.unlink(missing_ok=True)
-        else:
-            self._event("ckptd_restarted", exit_code=self._ckptd.returncode)
-        self._ckpt_cfg = ckpt
-        try:
-            self._ckptd = ckptd_mod.spawn(
-                job=self.job_id,
-                node=self.cfg.node_id,
-                ckpt_dir=Path(ckpt.dir),
-                shm_dir=Path(ckpt.shm_dir),
-                keep=ckpt.keep,
-                log=self.cfg.run_dir / "logs" / f"ckptd.{self.cfg.node_id}.log",
-                env={
-                    **os.environ,
-                    "TRAINGUARD_AGENT_PID": str(os.getpid()),
-                    "TRAINGUARD_TOKEN": self.cfg.token,
-                },
-                replica_bind=self.cfg.addr,
-                idle=self._drain_udp,  # workers' heartbeats and keep-alives go on arriving
-            )
-            self._replica_peers = None  # a new ckptd must be told its peers again
-        except ckptd_mod.CheckpointError as e:
-            log.error("%s", e)  # workers fail on their first save and report it; retried next loop
-
-    def _ckptd_status(self) -> None:
-        """Memory-tier index and ckptd events, for the next report (called by the report thread)."""
-        if self._ckptd is None or self._ckptd.poll() is not None:
-            self._memory = {}
-            return
-        try:
-            if self._ckptd_client is None:
-                self._ckptd_client = ckptd_mod.CkptdClient(
-                    ckptd_mod.socket_name(self.job_id, self.cfg.node_id)
-                )
-            st = self._ckptd_client.call({"op": "status"}, timeout_s=2.0)
-        except (OSError, ValueError, ckptd_mod.CheckpointError):
-            if self._ckptd_client is not None:
-                self._ckptd_client.close()
-            self._ckptd_client = None
-            now = time.monotonic()
-            if self._ckptd_silent_since is None:
-                self._ckptd_silent_since = now
-            elif now - self._ckptd_silent_since > CKPTD_DEADLINE_S:
-                # Alive but not answering (frozen, SIGSTOPped, deadlocked): kill it; the main
-                # loop restarts it and the new one re-adopts the intact slots.
-                silent = now - self._ckptd_silent_since
-                self._event("ckptd_unresponsive", silent_s=round(silent, 1), pid=self._ckptd.pid)
-                log.error(
-                    "ckptd (pid %d) has not answered for %.0fs: killing it", self._ckptd.pid, silent
-                )
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self._ckptd.pid, signal.SIGKILL)
-                self._ckptd_silent_since = None
-            return
-        self._ckptd_silent_since = None
-        self._memory = st["memory"]
-        self._ckptd_idle = bool(st.get("idle", True))
-        desired = self._desired[1]
-        persist = desired.persist if isinstance(desired, Stop) else None
-        if persist is not None and persist != self._persisted:
-            try:  # a planned stop: write the newest snapshot held in memory to the durable tier
-                step, gen = persist
-                reply = self._ckptd_client.call(
-                    {"op": "persist", "step": step, "generation": gen}, timeout_s=5.0
-                )
-                self._persisted = persist
-                log.info("persisting step %d from memory (ranks %s)", step, reply["ranks"])
-            except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
-                log.warning("asking ckptd to persist step %s failed: %s", persist[0], e)
-        self._replicas = st.get("replicas", {})
-        self._replica_addr = st.get("replica_addr")
-        want = list(desired.replica_peers) if isinstance(desired, Run) else []
-        if want != self._replica_peers:
-            try:
-                self._ckptd_client.call({"op": "set_peers", "addrs": want}, timeout_s=2.0)
-                self._replica_peers = want
-            except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
-                log.warning("telling ckptd its replica peer failed: %s", e)
-        with self._lock:
-            self._events.extend(st["events"])
-
-    def _stop_ckptd(self) -> None:
-        """Ask ckptd to finish pending persistence and unlink the node's slots (deadline 70 s)."""
-        if self._ckptd is None:
-            return
-        with contextlib.suppress(OSError, ValueError, ckptd_mod.CheckpointError):
-            client = ckptd_mod.CkptdClient(
-                ckptd_mod.socket_name(self.job_id, self.cfg.node_id), timeout_s=2.0
-            )
-            client.call({"op": "shutdown", "unlink": True})
-            client.close()
-        try:
-            self._ckptd.wait(timeout=70.0)
-        except subprocess.TimeoutExpired:
-            self._ckptd.kill()
-            self._ckptd.wait(timeout=5.0)
-        if self._ckpt_cfg is not None:
-            for path in self._slots(self._ckpt_cfg.shm_dir):
-                path.unlink(missing_ok=True)
-
     def _health(self) -> dict[str, Any]:
-        shm = Path(self._ckpt_cfg.shm_dir if self._ckpt_cfg else "/dev/shm")
+        shm = Path(self.ckptd.ckpt.shm_dir if self.ckptd.ckpt else "/dev/shm")
         ok, problems = host_health(self.cfg.run_dir, shm)
         return {"ok": ok, "problems": problems}
 
@@ -341,8 +245,7 @@ class Agent:
         """Cut off from the controller for longer than it waits before declaring this node lost:
         the job has moved on without us, so our workers must not go on (nor checkpoint)."""
         d = self._run_desired
-        running = [w for w in self.workers.values() if w.state == "running"]
-        if not running or d is None:
+        if not self.group.running() or d is None:
             return
         silent = time.monotonic() - self._last_report_ok
         if silent > d.node_timeout_s:
@@ -376,7 +279,7 @@ class Agent:
         self.checks.stop()
         ckpt = d.ckpt if isinstance(d, Run | Idle) else None
         if ckpt is not None:
-            self._ensure_ckptd(ckpt)
+            self.ckptd.ensure(ckpt)
         if isinstance(d, Run):
             gen = d.generation
             if self.generation is not None and self.generation != gen:
@@ -388,20 +291,17 @@ class Agent:
                     return False  # reported as fenced; the controller starts a new generation
                 self._start_generation(d)
             elif self.generation == gen and all(w.step is not None for w in self.workers.values()):
-                self.spares.fill(d.nproc_per_node)  # replenish once training is under way
+                self.launcher.fill(d.nproc_per_node)  # replenish once training is under way
         elif isinstance(d, Stop):
             gen = d.generation
             if self._stopped_generation < gen:
                 if d.dump_stacks and self.generation == gen and self.workers:
                     # A hang: every rank's stack, victims' too, before the kill (localization).
-                    running = {
-                        w.rank: w.proc.pid for w in self.workers.values() if w.state == "running"
-                    }
                     self._event(
                         "stacks",
                         generation=gen,
                         progress={w.rank: w.step for w in self.workers.values()},
-                        stacks=wk.dump_stacks(running),
+                        stacks=self.group.stacks(),
                     )
                 self._stop_workers(grace_s=d.grace_s)
                 self._stopped_generation = gen
@@ -409,7 +309,7 @@ class Agent:
         else:  # Idle
             if self.workers:
                 self._stop_workers(grace_s=15.0)
-            self.spares.fill(d.nproc_per_node or 1)
+            self.launcher.fill(d.nproc_per_node or 1)
         return False
 
     def _host_store(self, gen: int) -> None:
@@ -427,37 +327,23 @@ class Agent:
         self._report_now.set()
 
     def _start_generation(self, d: Run) -> None:
-        gen, nproc = d.generation, d.nproc_per_node
-        self.generation, self._run_desired, self._hang = gen, d, False
-        self.workers = {}
-        for local_rank in range(nproc):
+        gen = d.generation
+        self._run_desired, self._hang = d, False
+        ranks = []
+        for local_rank in range(d.nproc_per_node):
             env = self._worker_env(d, local_rank)
             rank = int(env["RANK"])
             log_path = Path(d.log_dir or self.cfg.run_dir / "logs") / f"rank{rank}.gen{gen}.log"
-            error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
-            proc = self.spares.take()
-            wk.launch(
-                proc,
-                {
-                    "env": env,
-                    "argv": [d.script, *d.script_args],
-                    "mode": d.launch,
-                    "cwd": os.getcwd(),
-                    "log": str(log_path),
-                    "error_file": str(error_file),
-                },
-            )
-            self.workers[rank] = wk.Worker(
-                rank=rank,
-                local_rank=local_rank,
-                proc=proc,
-                log_path=log_path,
-                error_file=error_file,
-                started_mono=time.monotonic(),
-            )
-            self._event(
-                "worker_started", generation=gen, rank=rank, pid=proc.pid, log=str(log_path)
-            )
+            spec = {
+                "env": env,
+                "argv": [d.script, *d.script_args],
+                "mode": d.launch,
+                "cwd": os.getcwd(),
+                "log": str(log_path),
+                "error_file": env["TORCHELASTIC_ERROR_FILE"],
+            }
+            ranks.append((rank, local_rank, spec))
+        self.group.start(gen, ranks)
         log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
         self._report_now.set()
         if d.restore_step is not None and d.restore_gen is not None and d.ckpt.memory_tier:
@@ -491,51 +377,16 @@ class Agent:
             c.close()
 
     def _stop_workers(self, *, grace_s: float) -> None:
-        if not self.workers and self.generation is None:
-            return
-        procs = [w.proc for w in self.workers.values()]
-        wk.kill_groups(procs, grace_s=grace_s)
-        self._stopped_at = time.time()
-        self._poll_workers(stopping=True)
-        keep = self.spares.pids | ({self._ckptd.pid} if self._ckptd is not None else set())
-        killed = wk.clean_descendants(keep=keep)
-        self._cleaned_at = time.time()
-        self._event(
-            "workers_stopped",
-            generation=self.generation,
-            grace_s=grace_s,
-            stray_killed=killed,
-            exit_codes={w.rank: w.exit_code for w in self.workers.values()},
-        )
-        self.workers = {}
-        self.generation = None
+        had = bool(self.workers)
+        ckptd = self.ckptd.pid
+        self.group.stop(grace_s=grace_s, keep=set() if ckptd is None else {ckptd})
         self._store = None
+        if had:
+            self._report_now.set()
 
     # ------------------------------------------------------------------ observation
-    def _poll_workers(self, stopping: bool = False) -> None:
-        for w in self.workers.values():
-            if w.state not in ("running",):
-                continue
-            code = w.proc.poll()
-            if code is None:
-                continue
-            w.exit_code, w.exited_at = code, time.time()
-            if stopping:
-                w.state = "stopped"
-            elif code == 0:
-                w.state = "succeeded"
-            else:
-                w.state = "failed"
-                w.error = w.read_error()
-            self._event(
-                "worker_exited",
-                generation=self.generation,
-                rank=w.rank,
-                pid=w.proc.pid,
-                exit_code=code,
-                state=w.state,
-                error=w.error,
-            )
+    def _poll_workers(self) -> None:
+        if self.group.poll():
             self._report_now.set()
 
     def _watch_outside(self) -> None:
@@ -570,7 +421,7 @@ class Agent:
             return
         now = time.monotonic()
         if self._hang:
-            running = [w for w in self.workers.values() if w.state == "running"]
+            running = self.group.running()
             if running and all((w.last_progress_mono or 0.0) > self._hang_mono for w in running):
                 # every rank moved on (the wait was inside trainguard, under its deadlines)
                 self._hang = False
@@ -592,9 +443,7 @@ class Agent:
             if now - ref > limit:
                 self._hang, self._hang_mono = True, now
                 self._report_now.set()
-                stacks = wk.dump_stacks(
-                    {x.rank: x.proc.pid for x in self.workers.values() if x.state == "running"}
-                )
+                stacks = self.group.stacks()
                 self._event(
                     "hang_suspected",
                     generation=self.generation,
@@ -665,12 +514,8 @@ class Agent:
 
     def _power_off(self) -> None:
         """Injected node-down: SIGKILL every worker, spare and this agent, as a power loss would."""
-        self._report_once(timeout_s=2.0)  # so the controller knows the drill fired
-        procs = [w.proc for w in self.workers.values()]
-        self.spares.close()
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
+        self.report_once(timeout_s=2.0)  # so the controller knows the drill fired
+        self.group.power_off()
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _event(self, kind: str, **data: Any) -> None:
@@ -680,10 +525,10 @@ class Agent:
 
     # ------------------------------------------------------------------ controller I/O
     def _snapshot(self) -> dict[str, Any]:
-        self._ckptd_status()
+        ckptd_events = self.ckptd.status(self._desired[1])
         now = time.monotonic()
         with self._lock:
-            events, self._events = self._events, []
+            events, self._events = self._events + ckptd_events, []
             steps, self._steps = self._steps, {}
         return {
             "v": protocol.PROTOCOL_VERSION,
@@ -696,17 +541,17 @@ class Agent:
             "hang": self._hang,
             "stopped_generation": self._stopped_generation,
             "fenced_generation": self._fenced_generation,
-            "stopped_at": self._stopped_at,
-            "cleaned_at": self._cleaned_at,
+            "stopped_at": self.group.stopped_at,
+            "cleaned_at": self.group.cleaned_at,
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
-            "memory": self._memory,
-            "ckptd_idle": self._ckptd_idle,
+            "memory": self.ckptd.memory,
+            "ckptd_idle": self.ckptd.idle,
             "health": self._health(),
             "checks": self.checks.report(),
             "time": time.time(),  # the controller measures clock skew from it
-            "replicas": self._replicas,
-            "replica_addr": self._replica_addr,
+            "replicas": self.ckptd.replicas,
+            "replica_addr": self.ckptd.replica_addr,
             "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],
         }
 
@@ -738,11 +583,15 @@ class Agent:
             reason = getattr(e, "reason", e)
             log.warning("cannot reach controller %s (%s); retrying", self.cfg.controller, reason)
 
-    def _report_once(self, timeout_s: float) -> bool:
+    def report_once(self, timeout_s: float) -> bool:
+        """Send one report (``POST /v1/report``) and take the desired state its reply
+        carries. Returns whether the controller took it; if not, its events and step records
+        are kept for the next report."""
         snap = self._snapshot()
         try:
             self._accept(self._request("POST", "/v1/report", snap, timeout_s))
             self._refused_since = None
+            self._last_report_ok = time.monotonic()
             return True
         except (OSError, ValueError) as e:
             self._unreachable(e)
@@ -764,14 +613,12 @@ class Agent:
             self._report_now.wait(hb if backoff <= 0.1 else backoff)
             self._report_now.clear()
             try:
-                ok = self._report_once(timeout_s=5.0)
+                ok = self.report_once(timeout_s=5.0)
             except (
                 Exception
             ):  # the heartbeat is this node's life to the controller: never let it die
                 log.exception("building a report failed; retrying")
                 ok = False
-            if ok:
-                self._last_report_ok = time.monotonic()
             backoff = 0.1 if ok else backoff_after(backoff)
 
     def _poll_loop(self) -> None:

@@ -11,7 +11,7 @@ import http.client
 import json
 import random
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 
 class HTTPStatusError(OSError):
@@ -33,6 +33,18 @@ def backoff_after(seconds: float, cap_s: float = 2.0) -> float:
     ``cap_s`` (0.1 s → ~0.2 → ~0.4 … ~2 s: a restarted controller sees agents return over
     about a second, not in one burst)."""
     return min(cap_s, jittered(seconds * 2))
+
+
+class Link(Protocol):
+    """Requests to the controller (``ControllerLink``; a test's fake). ``request`` returns
+    the reply's JSON object, or raises OSError (unreachable, timed out), HTTPStatusError (an
+    error status) or ValueError (a reply that is not JSON) within ``timeout_s``."""
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+    ) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class ControllerLink:

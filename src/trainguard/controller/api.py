@@ -261,9 +261,6 @@ class NodeObs:
     fenced_generation: int = -1  # the generation whose workers the agent stopped (fencing)
     health_ok: bool = True  # the agent's host checks (memory, disk, /dev/shm) pass
     health_problems: tuple[str, ...] = ()  # the host checks that fail
-    # The node's newest pre-flight verdict (health/coordinator.py): when, and its problems.
-    checked_at: float | None = None
-    check_problems: tuple[str, ...] = ()
     clock_skew_s: float | None = None  # the agent's clock minus ours, at its last report
     stopped_generation: int = -1  # newest generation fully stopped and cleaned here
     stopped_at: float | None = None

@@ -1,7 +1,7 @@
 """The pre-flight's side of the controller's tick: start a run for new nodes (batched:
 SETTLE_S after the last one appeared, or once the whole pool is there) and for quarantined
-nodes due for a re-check, retry inconclusive verdicts with back-off, and copy each verdict
-into the node's observation that ``decide`` reads."""
+nodes due for a re-check, retry inconclusive verdicts with back-off, and hand each new
+verdict to ``decide`` as an input (``Inputs.verdicts``): the driver never edits the state."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class PreflightDriver:
         self.first_seen: dict[str, float] = {}
         # node → (run, retry at, attempts) of its inconclusive pre-flight verdicts
         self._unsure: dict[str, tuple[int, float, int]] = {}
+        self._handed: dict[str, tuple[float, tuple[str, ...]]] = {}  # verdicts decide has
 
     def seen(self, node: str, now: float) -> None:
         """``node`` reported at ``now`` (its first report starts its settle time)."""
@@ -39,20 +40,25 @@ class PreflightDriver:
         cfg: JobConfig,
         store: Store,
         check_only: bool,
-    ) -> None:
+    ) -> dict[str, tuple[float, tuple[str, ...]]]:
         """Advance the pre-flight run; start one for new nodes (batched) or quarantined nodes
-        due for a re-check; hand verdicts to the observations ``decide`` reads."""
+        due for a re-check. Returns the verdicts reached since the last call, node →
+        (wall time, problems), for ``Inputs.verdicts`` (``s`` is only read)."""
         alive = [n for n in sorted(obs) if is_alive(obs[n], now, cfg)]
         pf.tick(now, set(alive))
-        for n, o in obs.items():
+        verdicts: dict[str, tuple[float, tuple[str, ...]]] = {}
+        for n in obs:
             v = pf.verdicts.get(n)
+            got: tuple[float, tuple[str, ...]] | None = None
             if v is not None and v.inconclusive:
-                self._retry_inconclusive(pf, o, v, now, store)
+                got = self._retry_inconclusive(pf, n, v, now, store)
             elif v is not None:
                 self._unsure.pop(n, None)
-                o.checked_at, o.check_problems = v.at, v.problems
+                got = (v.at, v.problems)
+            if got is not None and self._handed.get(n) != got:
+                verdicts[n] = self._handed[n] = got
         if pf.active is not None or check_only or s.phase.terminal:
-            return
+            return verdicts
         new = [n for n in alive if n not in s.pools and n not in pf.verdicts]
         recheck = [n for n in alive if needs_recheck(s, obs[n], now, cfg)]
         if new:
@@ -61,16 +67,16 @@ class PreflightDriver:
                 pf.start(new + recheck, "new node(s) joining the pool", now)
         elif recheck:
             pf.start(recheck, "re-check before readmission", now)
+        return verdicts
 
     def _retry_inconclusive(
-        self, pf: Preflight, o: NodeObs, v: Verdict, now: float, store: Store
-    ) -> None:
+        self, pf: Preflight, node: str, v: Verdict, now: float, store: Store
+    ) -> tuple[float, tuple[str, ...]] | None:
         """An inconclusive verdict (the check's machinery failed): check the node again after
         a back-off (``inconclusive_backoff_s``, doubling: 5, 10, 20, 40 s). After
         PREFLIGHT_RETRIES of them in a row it joins quarantine with that reason (re-checked
-        later like any quarantined node). Called every tick (observations are rebuilt from
-        each report)."""
-        node = o.node_id
+        later like any quarantined node): that failed verdict is returned. Called every
+        tick."""
         seen = self._unsure.get(node)
         if seen is None or seen[0] != v.run:  # a new inconclusive verdict
             attempt = (seen[2] if seen is not None else 0) + 1
@@ -83,10 +89,11 @@ class PreflightDriver:
                      "problems": list(v.problems)},
                 )  # fmt: skip
         if seen[2] > PREFLIGHT_RETRIES:
-            o.checked_at = v.at
-            o.check_problems = (
+            why = (
                 f"pre-flight inconclusive {PREFLIGHT_RETRIES + 1} times in a row (the check "
-                f"itself failed, not a measurement): {v.problems[0]}",
+                f"itself failed, not a measurement): {v.problems[0]}"
             )
-        elif now >= seen[1]:
+            return v.at, (why,)
+        if now >= seen[1]:
             pf.verdicts.pop(node, None)  # unchecked again: the next run takes it
+        return None

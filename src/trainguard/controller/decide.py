@@ -124,7 +124,7 @@ def _pending(
     # of its own (stage deadlines; inconclusive runs are retried a bounded number of times).
     checking = [
         n for n, o in obs.items()
-        if n not in s.pools and cfg.preflight != "off" and o.checked_at is None
+        if n not in s.pools and cfg.preflight != "off" and n not in s.checked_at
         and is_alive(o, now, cfg)
     ]  # fmt: skip
     if (
@@ -136,7 +136,7 @@ def _pending(
     ):
         need = cfg.min_nodes or cfg.nodes
         why = "; ".join(
-            f"{n}: {(obs[n].check_problems or obs[n].health_problems or ('lost',))[0]}"
+            f"{n}: {(s.check_problems.get(n) or obs[n].health_problems or ('lost',))[0]}"
             if n in obs
             else f"{n}: lost"
             for n in failed

@@ -41,8 +41,6 @@ def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float)
         clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
     )
     o.steps_seen = fold_steps(old, o, body.get("steps", []))
-    if old is not None:  # the pre-flight verdict stays until the next tick replaces it
-        o.checked_at, o.check_problems = old.checked_at, old.check_problems
     return o
 
 

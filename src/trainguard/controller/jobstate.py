@@ -76,6 +76,10 @@ class JobState:
     max_step: dict[int, int] = dataclasses.field(
         default_factory=dict
     )  # generation → newest step seen
+    # Each node's newest pre-flight verdict (health/coordinator.py), from ``Inputs.verdicts``:
+    # when it was reached (wall clock, s) and its problems (empty: passed).
+    checked_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    check_problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 Event = tuple[str, dict[str, Any]]  # (kind, data): what the store records
@@ -113,6 +117,9 @@ class Inputs:
       every rank reached it: ``t_rendezvous``, ``t_loaded``, ``t_first_step_start`` (stands
       for both when nothing was restored) and ``t_first_step`` (completes the recovery of
       that generation).
+    - ``verdicts``: node → (wall time, problems) of pre-flight verdicts reached since the
+      last tick (an empty tuple: passed; ``checking.PreflightDriver`` makes repeated
+      inconclusive runs a failed verdict).
     """
 
     stop_requested: bool = False
@@ -120,10 +127,16 @@ class Inputs:
     unusable: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     evict: dict[str, str] = dataclasses.field(default_factory=dict)
     milestones: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
+    verdicts: dict[str, tuple[float, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
 
     def empty(self) -> bool:
         return not (
-            self.stop_requested or self.fired or self.unusable or self.evict or self.milestones
+            self.stop_requested
+            or self.fired
+            or self.unusable
+            or self.evict
+            or self.milestones
+            or self.verdicts
         )
 
 
@@ -135,6 +148,7 @@ def merge_inputs(a: Inputs, b: Inputs) -> Inputs:
         unusable=a.unusable + b.unusable,
         evict={**a.evict, **b.evict},
         milestones=a.milestones + b.milestones,
+        verdicts={**a.verdicts, **b.verdicts},
     )
 
 
@@ -150,6 +164,8 @@ def fold_inputs(s: JobState, inputs: Inputs, events: list[tuple[str, dict[str, A
         if [step, gen] not in s.unusable:
             s.unusable.append([step, gen])
     s.evict.update(inputs.evict)
+    for node, (at, problems) in inputs.verdicts.items():
+        s.checked_at[node], s.check_problems[node] = at, list(problems)
     for gen, name, t in inputs.milestones:
         rec = s.recovery
         if rec is None or rec.to_generation != gen or name not in MILESTONES:
@@ -181,6 +197,8 @@ def state_from_json(d: dict[str, Any]) -> JobState:
     d["phase"] = Phase(d["phase"])
     d["pools"] = {n: Pool(p) for n, p in d.get("pools", {}).items()}
     d["max_step"] = {int(g): int(v) for g, v in d.get("max_step", {}).items()}
+    d["checked_at"] = {n: float(at) for n, at in d.get("checked_at", {}).items()}
+    d["check_problems"] = {n: list(p) for n, p in d.get("check_problems", {}).items()}
     d["recovery"] = _recovery_from_json(d["recovery"]) if d.get("recovery") else None
     d["recoveries"] = [_recovery_from_json(r) for r in d.get("recoveries", [])]
     return JobState(**d)

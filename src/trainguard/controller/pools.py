@@ -42,13 +42,13 @@ def _admit(s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Eve
     """A node seen for the first time joins standby, once it passed pre-flight (if on); a
     node that failed pre-flight joins quarantined (faulty), re-checked later."""
     node = o.node_id
-    if cfg.preflight != "off" and o.checked_at is None:
+    if cfg.preflight != "off" and node not in s.checked_at:
         return  # being checked
     s.join_order.append(node)
     s.incarnations[node] = o.incarnation
-    if cfg.preflight != "off" and o.check_problems:
+    if cfg.preflight != "off" and s.check_problems.get(node):
         events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "faulty"}))
-        why = "failed pre-flight: " + "; ".join(o.check_problems)
+        why = "failed pre-flight: " + "; ".join(s.check_problems[node])
         mark_faulty(s, node, now, cfg, events, why)
         return
     s.pools[node] = Pool.STANDBY
@@ -69,7 +69,7 @@ def needs_recheck(s: JobState, o: NodeObs, now: float, cfg: JobConfig) -> bool:
         return False
     fresh = s.faulty_incarnations.get(o.node_id) != o.incarnation
     due = now >= s.recheck_at.get(o.node_id, now)
-    checked = o.checked_at is not None and o.checked_at > s.faulty_since.get(o.node_id, 0.0)
+    checked = s.checked_at.get(o.node_id, -1.0) > s.faulty_since.get(o.node_id, 0.0)
     return (fresh or due) and not checked
 
 
@@ -79,14 +79,12 @@ def _recheck(
     """Return a quarantined node to standby when its host checks pass and (pre-flight on) a
     pre-flight newer than its fault passed; else back off before the next re-check."""
     node = o.node_id
-    checked = cfg.preflight == "off" or (
-        o.checked_at is not None and o.checked_at > s.faulty_since.get(node, 0.0)
-    )
+    checked = cfg.preflight == "off" or s.checked_at.get(node, -1.0) > s.faulty_since.get(node, 0.0)
     if o.health_ok and not checked:
         return  # the coordinator is checking it
     failed = [] if o.health_ok else list(o.health_problems) or ["host checks fail"]
     if cfg.preflight != "off":
-        failed += list(o.check_problems)
+        failed += s.check_problems.get(node, [])
     if not failed:
         s.pools[node] = Pool.STANDBY
         s.recheck_at.pop(node, None)
@@ -99,7 +97,7 @@ def _recheck(
             )
         )
         return
-    if cfg.preflight != "off" and o.check_problems:  # a failed pre-flight counts as a fault
+    if cfg.preflight != "off" and s.check_problems.get(node):  # a failed pre-flight: a fault
         s.node_faults[node] = s.node_faults.get(node, 0) + 1
         if s.node_faults[node] >= cfg.retire_after:
             s.pools[node] = Pool.RETIRED

@@ -331,7 +331,9 @@ class Controller:
                 "generation": o.generation,
                 "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
                 "health": list(o.health_problems) or "ok",
-                "preflight": None if o.checked_at is None else list(o.check_problems) or "ok",
+                "preflight": (
+                    None if n not in self.state.checked_at else self.state.check_problems[n] or "ok"
+                ),
                 "clock_skew_s": o.clock_skew_s,
             }
             for n, o in sorted(self.obs.items())
@@ -522,9 +524,10 @@ class Controller:
         if self.preflight is not None:
             try:
                 now = time.time()
-                self._checking.tick(
+                verdicts = self._checking.tick(
                     self.preflight, now, self.obs, self.state, self.cfg, self.store, self.check_only
                 )
+                self._inputs.verdicts.update(verdicts)
             except Exception:  # a bug in the checks must not stop the job's decisions
                 log.exception("pre-flight tick failed; the run is abandoned")
                 self.preflight.abandon(time.time(), "pre-flight failed internally (see log)")
