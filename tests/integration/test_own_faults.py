@@ -181,9 +181,19 @@ def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
     # The durable copy is met only when the fallback reaches it (or the controller verifies
     # it first); either way it was never loaded (above).
     assert "replica" in {e["tier"] for e in corrupt}, corrupt
-    # A point a rank could not read anywhere is never chosen again.
-    for point in unusable:
-        assert chosen.count(point) == 1, (point, chosen)
+    # A point a rank could not read anywhere is never chosen again. (It may have been chosen,
+    # and read, before: a point restored from memory once can be found unreadable later, when
+    # a fallback reaches only its corrupt durable copy.)
+    for i, e in enumerate(evs):
+        if e["kind"] == "restore_fallback":
+            point = tuple(e["unusable"])
+            later = [
+                (x["restore_step"], x["restore_generation"])
+                for x in evs[i + 1 :]
+                if x["kind"] == "generation_started"
+            ]
+            assert point not in later, (point, chosen)
+    assert unusable, "no fallback: the corrupt copies were never met"
     # The controller never called it a user error, and every fault was recovered from.
     assert not any(e["kind"] == "phase" and e["to"] == "FAILED" for e in evs)
     assert not any("user error" in str(e.get("reason", "")) for e in evs)

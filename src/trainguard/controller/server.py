@@ -1,26 +1,14 @@
-"""The controller's executor: HTTP API for agents, the tick loop, effects of ``decide``.
-
-Endpoints (all require ``Authorization: Bearer <job token>``):
-
-- ``POST /v1/report``   an agent's heartbeat and reports; answers its desired state
-- ``GET  /v1/desired``  long poll: ``?node=ID&version=V&wait_s=S`` returns once the node's
-                        desired state is newer than V, or after S seconds (max 30)
-- ``GET  /v1/status``   job phase, pools (the seed's five lists), generation, recoveries, and
-                        each node's last report (address, age, generation, workers' steps)
-- ``POST /v1/stop``     request a clean stop of the job
-- ``GET  /metrics``     Prometheus metrics (steps, step/compute/communication seconds and
-                        straggler score per rank, alerts, phase, pools)
-- ``POST /v1/check``    start a pre-flight run on the idle nodes (``{"level": "quick"|"full"}``);
-                        409 while one runs. ``GET /v1/check?run=N``: its progress and verdicts
+"""The controller's executor: the coalesced tick loop that runs ``decide`` over what the
+agents reported (``ingest``), and the effects of its decisions: events recorded, the state
+persisted, desired states published to the agents' long polls. Its HTTP endpoints are in
+``http.py``; ``trainguard check``'s mode (``check_only``) ticks ``checkonly.decide_check``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
-import hmac
 import logging
 import sys
 import time
@@ -41,14 +29,13 @@ from trainguard.controller.api import (
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for
+from trainguard.controller.http import HttpApi
 from trainguard.controller.ingest import Milestones, addresses_changed, observe
 from trainguard.controller.jobstate import (
     Inputs,
     StateEncoder,
     merge_inputs,
     next_incarnation,
-    pool_lists,
-    state_json,
 )
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.pools import is_alive, world_of
@@ -65,7 +52,6 @@ PERSIST_S = 1.0  # the state is persisted on every transition, else at most this
 # longer (a safety net: what desired states read changes the state signature or flags the
 # node; at 16,384 nodes one full pass costs ~0.5 s).
 FULL_PUBLISH_S = 2.0
-MAX_WAIT_S = 30.0
 SWITCH_INTERVAL_S = 0.001
 # The collector's thresholds (CPython's default: 700, 10, 10). With tens of thousands of
 # observations alive, each tick allocates enough to start collections that traverse the whole
@@ -114,7 +100,7 @@ class Controller:
     ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
         self.check_only = check_only
-        self._token = f"Bearer {token}".encode()
+        self._token = token
         if resume is not None:
             self.state = resume
         elif rerun_of is not None:
@@ -133,8 +119,8 @@ class Controller:
         self._version_base = int(time.time() * 1000)
         self.obs: dict[str, NodeObs] = {}
         self._inputs = Inputs()  # for the next decide (the executor never edits the state)
-        self._desired: dict[str, tuple[int, protocol.Desired]] = {}
-        self._changed = asyncio.Condition()
+        self.desired: dict[str, tuple[int, protocol.Desired]] = {}
+        self.changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
@@ -143,7 +129,7 @@ class Controller:
         self._last_state = ""
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
-        self._closing = False
+        self.closing = False
         self.monitor = Monitor(
             DetectConfig(
                 window_steps=cfg.straggler_window_steps,
@@ -199,19 +185,7 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
-        app = web.Application(middlewares=[self._auth], client_max_size=protocol.MAX_REPORT_BYTES)
-        app.add_routes(
-            [
-                web.post("/v1/report", self._report),
-                web.get("/v1/desired", self._get_desired),
-                web.get("/v1/status", self._status),
-                web.post("/v1/stop", self._stop),
-                web.post("/v1/check", self._check_start),
-                web.get("/v1/check", self._check_get),
-                web.get("/metrics", self._metrics),
-            ]
-        )
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(HttpApi(self, self._token).app(), access_log=None)
         await self._runner.setup()
         # Every agent connects at once at the start and after a controller restart: with
         # aiohttp's default backlog (128) the kernel drops SYNs past it and each dropped
@@ -239,167 +213,13 @@ class Controller:
     async def close(self) -> None:
         if self._tick_task is not None:
             self._tick_task.cancel()
-        self._closing = True  # long polls answer now, so the HTTP server stops at once
+        self.closing = True  # long polls answer now, so the HTTP server stops at once
         await self._notify()
         if self._runner is not None:
             await self._runner.cleanup()
 
-    # ------------------------------------------------------------------ HTTP
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, self._token):
-            log.warning(
-                "rejected unauthenticated %s %s from %s",
-                request.method,
-                request.path,
-                request.remote,
-            )
-            return web.json_response({"error": "missing or wrong job token"}, status=401)
-        if request.path != "/v1/report":
-            return await handler(request)
-        t0 = time.perf_counter()
-        try:
-            return await handler(request)
-        finally:
-            self.monitor.h_report.observe(time.perf_counter() - t0)
-
-    async def _report(self, request: web.Request) -> web.Response:
-        """Take one agent report: validated (400 with the reason when it does not follow the
-        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, answered with the
-        node's current desired state (its version alone when the report's ``desired_version``
-        says the agent holds it already). No decision is taken here: decisions run on the
-        coalesced tick (``_tick_loop``), so a report costs work proportional to itself, not
-        to the job; a desired state the next tick changes reaches the agent by its long poll."""
-        try:
-            body = await request.json()
-            protocol.validate_report(body)
-        except ValueError as e:  # bad JSON (json.JSONDecodeError) or a ProtocolError
-            log.warning("refused a malformed report from %s: %s", request.remote, e)
-            return web.json_response({"error": f"malformed report: {e}"}, status=400)
-        node_id = str(body["node_id"])
-        old = self.obs.get(node_id)
-        if (
-            old is not None
-            and old.incarnation != str(body["incarnation"])
-            and time.time() - old.last_seen < 2 * self.cfg.heartbeat_s + 0.5
-        ):
-            # Another agent still reports under this node id (a rebooted node's old agent has
-            # stopped reporting by now): two hosts share a name.
-            log.warning("refused a second live agent for node %s from %s", node_id, body["addr"])
-            return web.json_response(
-                {
-                    "error": f"node id {node_id} is in use by a live agent at {old.addr}; "
-                    "give each host its own --node-id"
-                },
-                status=409,
-            )
-        try:
-            self._ingest(node_id, body)
-        except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
-            log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
-            return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
-        version, desired = self._desired.get(node_id, (0, protocol.Idle()))
-        if body.get("desired_version") == version:
-            return web.json_response({"version": version})  # the agent has it: no body to send
-        return web.json_response({"version": version, "desired": protocol.desired_to_json(desired)})
-
-    async def _get_desired(self, request: web.Request) -> web.Response:
-        node_id = request.query.get("node", "")
-        version = int(request.query.get("version", "0"))
-        wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
-
-        def newer() -> bool:
-            return self._closing or self._desired.get(node_id, (0, None))[0] > version
-
-        async with self._changed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(newer), timeout=wait_s)
-        v, desired = self._desired.get(node_id, (0, protocol.Idle()))
-        return web.json_response({"version": v, "desired": protocol.desired_to_json(desired)})
-
-    async def _status(self, request: web.Request) -> web.Response:
-        out = state_json(self.state)
-        out["lists"] = pool_lists(out["pools"])
-        now = time.time()
-        out["nodes"] = {
-            n: {
-                "addr": o.addr,
-                "pool": out["pools"].get(n),
-                "node_rank": self.state.assignment.get(n),
-                "last_seen_s": round(now - o.last_seen, 3),
-                "generation": o.generation,
-                "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
-                "health": list(o.health_problems) or "ok",
-                "preflight": (
-                    None if n not in self.state.checked_at else self.state.check_problems[n] or "ok"
-                ),
-                "clock_skew_s": o.clock_skew_s,
-            }
-            for n, o in sorted(self.obs.items())
-        }
-        out["alerts"] = list(self.monitor.alerts)[-10:]
-        pf = self.preflight
-        out["preflight"] = (
-            None
-            if pf is None
-            else pf.active.to_json()
-            if pf.active
-            else self.store.get("preflight_last")
-        )
-        return web.json_response(out)
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        s = self.state
-        pools = {n: p.value for n, p in s.pools.items()}
-        body = self.monitor.metrics(s.phase.value, s.generation, s.restarts, pools)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
-
-    async def _check_start(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else {}
-        level = body.get("level") or None
-        if level not in (None, "quick", "full"):
-            return web.json_response({"error": f"level {level!r}: use quick or full"}, status=400)
-        if self.preflight is None:
-            self.preflight = Preflight(
-                CheckConfig(), self.store, ckpt_dir=self.cfg.ckpt_dir, shm_dir=self.cfg.shm_dir
-            )
-        if self.preflight.active is not None:
-            return web.json_response(
-                {"error": "a pre-flight run is in progress", "run": self.preflight.active.id},
-                status=409,
-            )
-        now = time.time()
-        busy = sorted(n for n, p in self.state.pools.items() if p == Pool.RUNNING)
-        idle = [n for n in sorted(self.obs) if self._alive(n, now) and n not in busy]
-        if not idle:
-            why = (
-                "no agent reports to this controller"
-                if not busy
-                else "every node is training (nodes are not checked while they train)"
-            )
-            return web.json_response({"error": f"no idle node to check: {why}"}, status=409)
-        run = self.preflight.start(idle, "requested (trainguard check)", now, level)
-        self._publish()
-        return web.json_response({"run": run.id, "nodes": idle, "not_checked": busy})
-
-    async def _check_get(self, request: web.Request) -> web.Response:
-        pf = self.preflight
-        try:
-            run = pf.runs.get(int(request.query.get("run", "0"))) if pf else None
-        except ValueError:
-            run = None
-        if run is None:
-            return web.json_response({"error": "no such pre-flight run"}, status=404)
-        pools = {n: p.value for n, p in self.state.pools.items()}
-        return web.json_response({**run.to_json(), "lists": pool_lists(pools)})
-
-    async def _stop(self, request: web.Request) -> web.Response:
-        self.request_stop()
-        return web.json_response({"ok": True})
-
     # ------------------------------------------------------------------ reports
-    def _ingest(self, node_id: str, body: dict[str, Any]) -> None:
+    def ingest(self, node_id: str, body: dict[str, Any]) -> None:
         now = time.time()
         old_obs = self.obs.get(node_id)
         new_obs = self.obs[node_id] = observe(node_id, body, old_obs, now)
@@ -453,9 +273,7 @@ class Controller:
         if kind != "straggler" or self.cfg.straggler_action != "replace" or node is None:
             return
         now = time.time()
-        spare = [
-            n for n, p in self.state.pools.items() if p == Pool.STANDBY and self._alive(n, now)
-        ]
+        spare = [n for n, p in self.state.pools.items() if p == Pool.STANDBY and self.alive(n, now)]
         if not spare:
             self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
             return
@@ -619,16 +437,16 @@ class Controller:
         pre-flight's and trainguard check's path, a few nodes)."""
         self._persist(changed)
         self._full_publish = True
-        self._publish()
+        self.publish()
 
-    def _alive(self, node_id: str, now: float) -> bool:
+    def alive(self, node_id: str, now: float) -> bool:
         o = self.obs.get(node_id)
         return o is not None and is_alive(o, now, self.cfg)  # the rule decide uses
 
     def _check_only_tick(self, now: float) -> None:
         pf = self.preflight
         assert pf is not None
-        alive = [n for n in sorted(self.obs) if self._alive(n, now)]
+        alive = [n for n in sorted(self.obs) if self.alive(n, now)]
         last = pf.runs[max(pf.runs)] if pf.runs else None
         inputs, self._inputs = self._inputs, Inputs()
         new, events, start = decide_check(
@@ -662,7 +480,7 @@ class Controller:
             self._last_full_publish, self._full_publish = now, False
         return full
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Recompute the desired states due (``_full_publish_due``) here on the loop."""
         full = self._full_publish_due()
         nodes = list(self.obs) if full else [n for n in self._dirty if n in self.obs]
@@ -684,16 +502,16 @@ class Controller:
                 task = self.preflight.task_for(node_id, self.obs[node_id].clock_skew_s)
             if task is not None:
                 want = protocol.Check(task=task)
-            version, have = self._desired.get(node_id, (self._version_base, None))
+            version, have = self.desired.get(node_id, (self._version_base, None))
             if want != have:
-                self._desired[node_id] = (version + 1, want)
+                self.desired[node_id] = (version + 1, want)
                 changed = True
         if changed:
             asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        async with self.changed:
+            self.changed.notify_all()
 
     async def _tick_loop(self) -> None:
         # A tenth of the heartbeat, between TICK_S and 1 s: decisions lag a report by at most

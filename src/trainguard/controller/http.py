@@ -1,0 +1,222 @@
+"""The controller's HTTP API (aiohttp). Every endpoint requires ``Authorization: Bearer <job
+token>`` (401 otherwise):
+
+- ``POST /v1/report``   an agent's heartbeat and reports; answers its desired state
+- ``GET  /v1/desired``  long poll: ``?node=ID&version=V&wait_s=S`` returns once the node's
+                        desired state is newer than V, or after S seconds (max 30)
+- ``GET  /v1/status``   job phase, pools (the seed's five lists), generation, recoveries, and
+                        each node's last report (address, age, generation, workers' steps)
+- ``POST /v1/stop``     request a clean stop of the job
+- ``GET  /metrics``     Prometheus metrics (steps, step/compute/communication seconds and
+                        straggler score per rank, alerts, phase, pools)
+- ``POST /v1/check``    start a pre-flight run on the idle nodes (``{"level": "quick"|"full"}``);
+                        409 while one runs. ``GET /v1/check?run=N``: its progress and verdicts
+
+A handler only reads the controller and hands it what arrived (``Controller.ingest``,
+``request_stop``, ``publish``): decisions are the tick's (``server.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from trainguard import protocol
+from trainguard.controller.api import Pool
+from trainguard.controller.jobstate import pool_lists, state_json
+from trainguard.health.coordinator import Preflight
+from trainguard.health.judge import CheckConfig
+
+if TYPE_CHECKING:
+    from trainguard.controller.server import Controller
+
+log = logging.getLogger("trainguard.controller")
+MAX_WAIT_S = 30.0  # the longest long poll
+
+
+class HttpApi:
+    """The endpoints of one controller (``ctl``), authenticated by ``token`` (hex)."""
+
+    def __init__(self, ctl: Controller, token: str) -> None:
+        self.ctl = ctl
+        self._token = f"Bearer {token}".encode()
+
+    def app(self) -> web.Application:
+        """The aiohttp application: routes, the token check, the report size limit (413)."""
+        app = web.Application(middlewares=[self._auth], client_max_size=protocol.MAX_REPORT_BYTES)
+        app.add_routes(
+            [
+                web.post("/v1/report", self._report),
+                web.get("/v1/desired", self._get_desired),
+                web.get("/v1/status", self._status),
+                web.post("/v1/stop", self._stop),
+                web.post("/v1/check", self._check_start),
+                web.get("/v1/check", self._check_get),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, self._token):
+            log.warning(
+                "rejected unauthenticated %s %s from %s",
+                request.method,
+                request.path,
+                request.remote,
+            )
+            return web.json_response({"error": "missing or wrong job token"}, status=401)
+        if request.path != "/v1/report":
+            return await handler(request)
+        t0 = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            self.ctl.monitor.h_report.observe(time.perf_counter() - t0)
+
+    async def _report(self, request: web.Request) -> web.Response:
+        """Take one agent report: validated (400 with the reason when it does not follow the
+        protocol, 413 past MAX_REPORT_BYTES), folded into the observations, answered with the
+        node's current desired state (its version alone when the report's ``desired_version``
+        says the agent holds it already). No decision is taken here: decisions run on the
+        coalesced tick (``_tick_loop``), so a report costs work proportional to itself, not
+        to the job; a desired state the next tick changes reaches the agent by its long poll."""
+        try:
+            body = await request.json()
+            protocol.validate_report(body)
+        except ValueError as e:  # bad JSON (json.JSONDecodeError) or a ProtocolError
+            log.warning("refused a malformed report from %s: %s", request.remote, e)
+            return web.json_response({"error": f"malformed report: {e}"}, status=400)
+        node_id = str(body["node_id"])
+        old = self.ctl.obs.get(node_id)
+        if (
+            old is not None
+            and old.incarnation != str(body["incarnation"])
+            and time.time() - old.last_seen < 2 * self.ctl.cfg.heartbeat_s + 0.5
+        ):
+            # Another agent still reports under this node id (a rebooted node's old agent has
+            # stopped reporting by now): two hosts share a name.
+            log.warning("refused a second live agent for node %s from %s", node_id, body["addr"])
+            return web.json_response(
+                {
+                    "error": f"node id {node_id} is in use by a live agent at {old.addr}; "
+                    "give each host its own --node-id"
+                },
+                status=409,
+            )
+        try:
+            self.ctl.ingest(node_id, body)
+        except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
+            log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
+            return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
+        version, desired = self.ctl.desired.get(node_id, (0, protocol.Idle()))
+        if body.get("desired_version") == version:
+            return web.json_response({"version": version})  # the agent has it: no body to send
+        return web.json_response({"version": version, "desired": protocol.desired_to_json(desired)})
+
+    async def _get_desired(self, request: web.Request) -> web.Response:
+        node_id = request.query.get("node", "")
+        version = int(request.query.get("version", "0"))
+        wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
+
+        def newer() -> bool:
+            return self.ctl.closing or self.ctl.desired.get(node_id, (0, None))[0] > version
+
+        async with self.ctl.changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctl.changed.wait_for(newer), timeout=wait_s)
+        v, desired = self.ctl.desired.get(node_id, (0, protocol.Idle()))
+        return web.json_response({"version": v, "desired": protocol.desired_to_json(desired)})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        out = state_json(self.ctl.state)
+        out["lists"] = pool_lists(out["pools"])
+        now = time.time()
+        out["nodes"] = {
+            n: {
+                "addr": o.addr,
+                "pool": out["pools"].get(n),
+                "node_rank": self.ctl.state.assignment.get(n),
+                "last_seen_s": round(now - o.last_seen, 3),
+                "generation": o.generation,
+                "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
+                "health": list(o.health_problems) or "ok",
+                "preflight": (
+                    None
+                    if n not in self.ctl.state.checked_at
+                    else self.ctl.state.check_problems[n] or "ok"
+                ),
+                "clock_skew_s": o.clock_skew_s,
+            }
+            for n, o in sorted(self.ctl.obs.items())
+        }
+        out["alerts"] = list(self.ctl.monitor.alerts)[-10:]
+        pf = self.ctl.preflight
+        out["preflight"] = (
+            None
+            if pf is None
+            else pf.active.to_json()
+            if pf.active
+            else self.ctl.store.get("preflight_last")
+        )
+        return web.json_response(out)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        s = self.ctl.state
+        pools = {n: p.value for n, p in s.pools.items()}
+        body = self.ctl.monitor.metrics(s.phase.value, s.generation, s.restarts, pools)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _check_start(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        level = body.get("level") or None
+        if level not in (None, "quick", "full"):
+            return web.json_response({"error": f"level {level!r}: use quick or full"}, status=400)
+        if self.ctl.preflight is None:
+            self.ctl.preflight = Preflight(
+                CheckConfig(),
+                self.ctl.store,
+                ckpt_dir=self.ctl.cfg.ckpt_dir,
+                shm_dir=self.ctl.cfg.shm_dir,
+            )
+        if self.ctl.preflight.active is not None:
+            return web.json_response(
+                {"error": "a pre-flight run is in progress", "run": self.ctl.preflight.active.id},
+                status=409,
+            )
+        now = time.time()
+        busy = sorted(n for n, p in self.ctl.state.pools.items() if p == Pool.RUNNING)
+        idle = [n for n in sorted(self.ctl.obs) if self.ctl.alive(n, now) and n not in busy]
+        if not idle:
+            why = (
+                "no agent reports to this controller"
+                if not busy
+                else "every node is training (nodes are not checked while they train)"
+            )
+            return web.json_response({"error": f"no idle node to check: {why}"}, status=409)
+        run = self.ctl.preflight.start(idle, "requested (trainguard check)", now, level)
+        self.ctl.publish()
+        return web.json_response({"run": run.id, "nodes": idle, "not_checked": busy})
+
+    async def _check_get(self, request: web.Request) -> web.Response:
+        pf = self.ctl.preflight
+        try:
+            run = pf.runs.get(int(request.query.get("run", "0"))) if pf else None
+        except ValueError:
+            run = None
+        if run is None:
+            return web.json_response({"error": "no such pre-flight run"}, status=404)
+        pools = {n: p.value for n, p in self.ctl.state.pools.items()}
+        return web.json_response({**run.to_json(), "lists": pool_lists(pools)})
+
+    async def _stop(self, request: web.Request) -> web.Response:
+        self.ctl.request_stop()
+        return web.json_response({"ok": True})
