@@ -64,8 +64,9 @@ def _items(body: dict[str, Any], key: str, kind: type) -> list[Any]:
     return v
 
 
-def _points(body: dict[str, Any], key: str) -> None:
-    """``{rank: [[step, generation], ...]}`` (memory and replica indexes)."""
+def _points(body: dict[str, Any], key: str, width: int = 2) -> None:
+    """``{rank: [[step, generation], ...]}`` (memory and replica indexes); ``width`` 4:
+    ``[step, generation, layout, value]`` (fingerprints)."""
     v = body.get(key)
     if v is None:
         return
@@ -75,9 +76,11 @@ def _points(body: dict[str, Any], key: str) -> None:
         _need(
             isinstance(pts, list)
             and all(
-                isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in pts
+                isinstance(p, list) and len(p) == width and all(type(x) is int for x in p)
+                for p in pts
             ),
-            f"{key}[{r}]: a list of [step, generation] pairs",
+            f"{key}[{r}]: a list of "
+            + ("[step, generation] pairs" if width == 2 else f"{width}-integer lists"),
         )
 
 
@@ -107,6 +110,7 @@ def validate_report(body: Any) -> None:
     _items(body, "checks", dict)
     _points(body, "memory")
     _points(body, "replicas")
+    _points(body, "fingerprints", width=4)
     t = body.get("time")
     _need(t is None or isinstance(t, (int, float)), "time: seconds since the epoch")
     store = body.get("store")
@@ -119,6 +123,7 @@ class FaultCause(enum.StrEnum):
     """Why a generation ended in a fault (``Fault.cause``)."""
 
     WORKER_CRASH = "worker_crash"  # a worker killed by a signal
+    SDC = "sdc"  # silent data corruption: replicas' state fingerprints differ
     WORKER_EXIT = "worker_exit"  # a worker exited non-zero, or exited 0 while its peers ran
     HANG = "hang"  # no progress past the hang timeout
     NODE_LOST = "node_lost"  # no heartbeat for node_timeout_s, or a rebooted agent

@@ -109,6 +109,13 @@ def answer(link: FakeLink, version: int, desired: protocol.Desired) -> None:
     link.reply = {"version": version, "desired": protocol.desired_to_json(desired)}
 
 
+def deliver(agent: Agent, link: FakeLink, version: int, desired: protocol.Desired) -> bool:
+    """The controller answers a report with ``desired``; the agent reconciles once."""
+    answer(link, version, desired)
+    assert agent.report_once(timeout_s=1.0)
+    return agent.loop_once()
+
+
 @pytest.fixture
 def parts(tmp_path: Path) -> Iterator[tuple[Agent, FakeLauncher, FakeLink]]:
     launcher, link = FakeLauncher(), FakeLink()
@@ -131,9 +138,7 @@ def test_a_run_starts_its_ranks_and_the_report_shows_them(
     parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path
 ) -> None:
     agent, launcher, link = parts
-    answer(link, 7, run_state(tmp_path, 0))
-    assert agent.report_once(timeout_s=1.0)
-    agent.loop_once()
+    deliver(agent, link, 7, run_state(tmp_path, 0))
     envs = [p.spec["env"] for p in launcher.started]
     assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["GROUP_RANK"]) for e in envs] == [
         ("2", "0", "4", "1"),
@@ -154,9 +159,7 @@ def test_a_failed_worker_is_reported_with_its_error(
     parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path
 ) -> None:
     agent, launcher, link = parts
-    answer(link, 1, run_state(tmp_path, 0))
-    agent.report_once(timeout_s=1.0)
-    agent.loop_once()
+    deliver(agent, link, 1, run_state(tmp_path, 0))
     bad = launcher.started[1]
     error = {"message": {"message": "ValueError: loss is nan", "extraInfo": {}}}
     Path(bad.spec["error_file"]).parent.mkdir(parents=True, exist_ok=True)
@@ -175,12 +178,8 @@ def test_stop_stops_the_generation_and_an_older_version_is_ignored(
     parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path
 ) -> None:
     agent, launcher, link = parts
-    answer(link, 5, run_state(tmp_path, 0))
-    agent.report_once(timeout_s=1.0)
-    agent.loop_once()
-    answer(link, 6, Stop(generation=0, grace_s=3.0))
-    agent.report_once(timeout_s=1.0)
-    agent.loop_once()
+    deliver(agent, link, 5, run_state(tmp_path, 0))
+    deliver(agent, link, 6, Stop(generation=0, grace_s=3.0))
     assert launcher.stops == [([p.pid for p in launcher.started], 3.0)]
     answer(link, 4, run_state(tmp_path, 1))  # older than what it holds: a stale answer
     agent.report_once(timeout_s=1.0)
@@ -189,18 +188,14 @@ def test_stop_stops_the_generation_and_an_older_version_is_ignored(
     report = link.reports[-1]
     assert report["stopped_generation"] == 0 and report["workers"] == []
     assert "workers_stopped" in kinds(report) and report["stopped_at"] is not None
-    answer(link, 7, Shutdown(phase="STOPPED", reason="stopped by request"))
-    agent.report_once(timeout_s=1.0)
-    assert agent.loop_once() is True  # the agent exits
+    assert deliver(agent, link, 7, Shutdown(phase="STOPPED", reason="stopped by request"))
 
 
 def test_cut_off_past_the_node_timeout_it_fences_and_delivers_what_it_kept(
     parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path
 ) -> None:
     agent, launcher, link = parts
-    answer(link, 1, run_state(tmp_path, 0, node_timeout_s=0.5))
-    agent.report_once(timeout_s=1.0)
-    agent.loop_once()
+    deliver(agent, link, 1, run_state(tmp_path, 0, node_timeout_s=0.5))
     link.error = OSError("connection refused")
     assert not agent.report_once(timeout_s=1.0)  # worker_started events kept for later
     time.sleep(0.6)
@@ -231,9 +226,7 @@ def test_a_rank_that_stops_stepping_is_flagged_hung_with_every_stack(
     parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path
 ) -> None:
     agent, launcher, link = parts
-    answer(link, 1, run_state(tmp_path, 0, hang_timeout_s=0.5, hang_timeout_min_s=0.5))
-    agent.report_once(timeout_s=1.0)
-    agent.loop_once()
+    deliver(agent, link, 1, run_state(tmp_path, 0, hang_timeout_s=0.5, hang_timeout_min_s=0.5))
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         for rank, proc in zip((2, 3), launcher.started, strict=True):

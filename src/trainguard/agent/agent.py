@@ -546,6 +546,7 @@ class Agent:
             "store": None if self._store is None else [self._store[0], self._store[1].port],
             "events": events,
             "memory": self.ckptd.memory,
+            "fingerprints": self.ckptd.fingerprints,
             "ckptd_idle": self.ckptd.idle,
             "health": self._health(),
             "checks": self.checks.report(),

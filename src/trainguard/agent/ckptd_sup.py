@@ -55,6 +55,8 @@ class CkptdSupervisor:
         self.idle = True  # it verified everything staged (the memory index is whole)
         self.replicas: dict[str, Any] = {}  # source rank → [(step, gen)] held for peers
         self.replica_addr: str | None = None  # its replica server
+        # rank → [step, gen, layout, value] of its verified snapshots (checkpoint/fingerprint.py)
+        self.fingerprints: dict[str, Any] = {}
 
     @property
     def pid(self) -> int | None:
@@ -106,7 +108,7 @@ class CkptdSupervisor:
         """Refresh what it holds (2 s deadline), carry out ``desired``'s orders for it, and
         return the events it queued. Called by the agent's report thread."""
         if self.proc is None or self.proc.poll() is not None:
-            self.memory = {}
+            self.memory, self.fingerprints = {}, {}
             return []
         try:
             st = self._call({"op": "status"}, timeout_s=2.0)
@@ -115,6 +117,7 @@ class CkptdSupervisor:
             return []
         self._silent_since = None
         self.memory = st["memory"]
+        self.fingerprints = st.get("fingerprints", {})
         self.idle = bool(st.get("idle", True))
         self.replicas = st.get("replicas", {})
         self.replica_addr = st.get("replica_addr")

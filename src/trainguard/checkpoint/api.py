@@ -24,3 +24,10 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointReadError(CheckpointError):
     """A committed step's files could not be read (permissions, I/O error, a file gone)."""
+
+
+def own_key(key: str, rank: int) -> bool:
+    """A key only ``rank`` holds: its ``per_rank`` state or a shard it runs (``per_shard``).
+    Every other key is replicated (or a DTensor shard) and persisted from rank 0 (DCP's rule)."""
+    mine = f"{PER_RANK_KEY}.{rank}"
+    return key == mine or key.startswith((mine + ".", PER_SHARD_KEY + "."))

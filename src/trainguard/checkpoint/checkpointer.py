@@ -52,6 +52,7 @@ from trainguard.checkpoint.api import (
 )
 from trainguard.checkpoint.ckptd import CkptdClient
 from trainguard.checkpoint.persister import WRITE_ERRORS, Persister
+from trainguard.faults import sdc
 from trainguard.runtime import api as rt_api
 from trainguard.runtime.core import init as runtime_init
 
@@ -304,6 +305,10 @@ class Checkpointer:
         """
         if step < 0:
             raise ValueError(f"save(step={step}): steps are >= 0")
+        drill = self._rt.sdc_drill(step)  # an injected silent corruption (tests, drills)
+        if drill is not None:
+            flipped = sdc.flip_bit(state, _rank_world()[0], drill.bit)
+            self._rt.event("sdc_injected", step=step, **flipped)
         self.wait_staged()
         durable = (
             (self.durable_every > 0 and step % self.durable_every == 0)

@@ -20,7 +20,8 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
 - ``{"op": "set_peers", "addrs": ["host:port", …]}`` → replicate verified snapshots there
 - ``{"op": "fetch", "rank", "step", "generation", "source"}`` → pulls that rank's replica from
   the ckptd at ``source`` into this node's slot (verified), for a restore on a new node
-- ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "events": […]}`` (events drained)
+- ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "fingerprints": {rank: [[step,
+  gen, layout, value], …]}, "events": […]}`` (events drained; fingerprint.py)
 - ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
 """
 
@@ -216,8 +217,10 @@ class Ckptd:
         if op == "status":
             with self._lock:
                 events, self._events = self._events, []
+            index = self.persister.memory_index()
             return {
-                "memory": {str(r): v for r, v in self.persister.memory_index().items()},
+                "memory": {str(r): v for r, v in index.items()},
+                "fingerprints": {str(r): v for r, v in self.persister.fingerprints(index).items()},
                 "events": events,
                 "idle": self.persister.idle(),
                 "replica_addr": self.replicas.addr if self.replicas else None,

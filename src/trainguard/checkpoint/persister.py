@@ -49,9 +49,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem
 
-from trainguard.checkpoint import snapshot, storage
+from trainguard.checkpoint import fingerprint, snapshot, storage
 from trainguard.checkpoint import state as state_mod
-from trainguard.checkpoint.api import DCP_METADATA
+from trainguard.checkpoint.api import DCP_METADATA, own_key
 
 log = logging.getLogger("trainguard.persister")
 DONE = ".done"
@@ -280,6 +280,8 @@ class Persister:
         ] = {}  # rank → [(slot, step, gen, durable)]
         self._commits: list[tuple[int, int, int]] = []  # (step, generation, world size)
         self._verified: dict[int, dict[str, tuple[int, int]]] = {}  # rank → slot path → (step, gen)
+        # (rank, step, gen) → [layout, value] of verified snapshots (fingerprint.py)
+        self._fps: dict[tuple[int, int, int], list[int]] = {}
         self._closed = False
         self._busy = 0
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
@@ -321,6 +323,29 @@ class Persister:
                     self._verified.get(rank, {}).pop(path, None)
         return {r: sorted(v) for r, v in out.items()}
 
+    def fingerprints(self, index: dict[int, list[tuple[int, int]]]) -> dict[int, list[list[int]]]:
+        """rank → [step, generation, layout, value] of the snapshots in ``index`` (a
+        ``memory_index()``) that hold replicated state (``fingerprint.py``); the others are
+        forgotten (bounded: two slots per rank)."""
+        held = {(r, st, g) for r, v in index.items() for st, g in v}
+        with self._cv:
+            for k in [k for k in self._fps if k not in held]:
+                del self._fps[k]
+            fps = dict(self._fps)
+        out: dict[int, list[list[int]]] = {}
+        for (rank, step, gen), fp in sorted(fps.items()):
+            out.setdefault(rank, []).append([step, gen, *fp])
+        return out
+
+    def _remember(
+        self, rank: int, step: int, gen: int, h: dict[str, Any], sums: Any
+    ) -> list[int] | None:
+        fp = fingerprint.fingerprint(h, sums, rank)
+        if fp is not None:
+            with self._cv:
+                self._fps[(rank, step, gen)] = fp
+        return fp
+
     def adopt(self, rank: int, slot: Path) -> str | None:
         """Take over an existing slot after a ckptd restart, whatever state the old ckptd
         left it in. Returns what was done: "indexed" (verified before, checksums still
@@ -349,6 +374,7 @@ class Persister:
         if not ok:
             snapshot.sums_path(slot).unlink(missing_ok=True)
             return "dropped"
+        self._remember(rank, step, gen, h, sums)
         with self._cv:
             self._verified.setdefault(rank, {})[str(slot)] = (step, gen)
         if durable and not meta.get("persisted"):  # verified, its part not written yet
@@ -462,6 +488,7 @@ class Persister:
                     return
                 sums = slot.checksums(h)
                 snapshot.write_sums(slot_path, step, gen, sums, persisted=not durable)
+                fp = self._remember(rank, step, gen, h, sums)
                 with self._cv:
                     self._verified.setdefault(rank, {})[str(slot_path)] = (step, gen)
                 self.emit("ckpt_staged", rank=rank, step=step, snapshot_generation=gen)
@@ -477,12 +504,8 @@ class Persister:
                     k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]
                 }
                 if rank != 0:  # DCP semantics: replicated state is persisted once, from rank 0
-                    tensors = {
-                        k: v
-                        for k, v in tensors.items()
-                        if state_mod.own_key(k, rank) or k in shards
-                    }
-                    objects = {k: v for k, v in objects.items() if state_mod.own_key(k, rank)}
+                    tensors = {k: v for k, v in tensors.items() if own_key(k, rank) or k in shards}
+                    objects = {k: v for k, v in objects.items() if own_key(k, rank)}
                 t0 = time.time()
                 part = storage.tmp_dir(self.root, step, gen) / f"rank_{rank}"
                 try:
@@ -493,6 +516,7 @@ class Persister:
                         h.get("mappings", {}),
                         {k: shards[k] for k in tensors if k in shards},
                     )
+                    fingerprint.write_part(part, fp)  # the step's SDC verdict (retention)
                 except WRITE_ERRORS as e:
                     needed = sum(int(t.numel() * t.element_size()) for t in tensors.values()) + len(
                         blob

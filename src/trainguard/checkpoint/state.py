@@ -105,13 +105,6 @@ def with_rank_key(state: dict[str, Any], rank: int) -> dict[str, Any]:
     return flat
 
 
-def own_key(key: str, rank: int) -> bool:
-    """A key only ``rank`` holds: its ``per_rank`` state or a shard it runs (``per_shard``).
-    Every other key is replicated (or a DTensor shard) and persisted from rank 0 (DCP's rule)."""
-    mine = f"{PER_RANK_KEY}.{rank}"
-    return key == mine or key.startswith((mine + ".", PER_SHARD_KEY + "."))
-
-
 def converted(state: dict[str, Any], rank: int) -> dict[str, Any]:
     """The state as DCP sees it: every ``Stateful`` replaced by its ``state_dict()``."""
     return {

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import crc32c
 
+from trainguard.checkpoint import fingerprint
 from trainguard.checkpoint.api import DCP_METADATA, MANIFEST
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -187,11 +188,19 @@ def prune(
     those of steps not newer than ``committed_step`` or of generations older than ``generation``.
 
     The newest committed step is never deleted (``keep`` >= 1 is enforced), and an older
-    step is deleted only after a newer one is committed. Returns the deleted steps.
+    step is deleted only after a newer one is committed. Nor is the newest step whose ranks'
+    fingerprints do not differ (``fingerprint.durable_verdict``) while newer ones differ: a
+    silent data corruption's rollback target outlives the steps written after it. Returns the
+    deleted steps.
     """
     keep = max(1, keep)
     steps = list_committed(root)
     doomed = steps[:-keep] if len(steps) > keep else []
+    if doomed:
+        # a step with nothing to compare counts as good: retention as without fingerprints
+        verdicts = [(st, fingerprint.durable_verdict(step_dir(root, st))) for st in steps]
+        good = next((st for st, ok in reversed(verdicts) if ok is not False), None)
+        doomed = [st for st in doomed if st != good]
     for step in doomed:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     for path in root.glob(".tmp-step_*"):

@@ -144,6 +144,9 @@ class JobConfig:
     straggler_window_steps: int = 20
     straggler_persist_windows: int = 3
     straggler_action: str = "alert"
+    # Compare data-parallel replicas' snapshot fingerprints (checkpoint/fingerprint.py) and
+    # treat a mismatch as silent data corruption (controller/sdc.py).
+    sdc_check: bool = True
     alert_webhook: str | None = None  # POST each alert there as JSON (5 s timeout)
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 
@@ -278,9 +281,15 @@ class NodeObs:
     # decisions run on a coalesced tick, and a report after a stop lists no workers); the
     # newest STEPS_SEEN_GENERATIONS generations only, so memory per node stays bounded.
     steps_seen: dict[int, int] = dataclasses.field(default_factory=dict)
+    # rank → (step, gen) → (layout, value): fingerprints of its ranks' verified snapshots
+    # (checkpoint/fingerprint.py), folded across reports, the newest FINGERPRINTS_KEPT per rank.
+    fingerprints: dict[int, dict[tuple[int, int], tuple[int, int]]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 STEPS_SEEN_GENERATIONS = 4
+FINGERPRINTS_KEPT = 4
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -40,6 +40,7 @@ from trainguard.controller.policy import (
     start_generation,
 )
 from trainguard.controller.pools import healthy_standby, is_alive, rebooted, update_pools, world_of
+from trainguard.controller.sdc import check_fingerprints
 
 __all__ = ["JobState", "decide", "desired_for"]
 
@@ -177,6 +178,8 @@ def _active(
         s.master_port = store[1]
     both = gen_workers(s, obs)
     fault = detect_fault(s, obs, now, cfg, both)
+    if fault is None and s.phase == Phase.RUNNING:
+        fault = check_fingerprints(s, obs, now, cfg, events)
     workers = [w for _, w in both]
     if fault is not None:
         s.recovery = Recovery(fault=fault, from_generation=gen)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.controller.api import STEPS_SEEN_GENERATIONS, NodeObs, WorkerObs
+from trainguard.controller.api import FINGERPRINTS_KEPT, STEPS_SEEN_GENERATIONS, NodeObs, WorkerObs
 
 
 def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float) -> NodeObs:
     """Node ``node_id``'s observation from its report ``body`` (validated by
     ``protocol.validate_report``) received at ``now`` (controller wall clock, s). ``old``: its
     previous observation; the newest step per generation carries over (``fold_steps``), and
-    so does its pre-flight verdict (the tick sets it from the pre-flight's verdicts).
+    so do its ranks' newest snapshot fingerprints (``fold_fingerprints``).
     Raises KeyError, TypeError or ValueError on a shape validation let through."""
     workers = {int(w["rank"]): WorkerObs(**w) for w in body.get("workers", [])}
     store = body.get("store")
@@ -41,6 +41,7 @@ def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float)
         clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
     )
     o.steps_seen = fold_steps(old, o, body.get("steps", []))
+    o.fingerprints = fold_fingerprints(old, body.get("fingerprints") or {})
     return o
 
 
@@ -70,6 +71,23 @@ def fold_steps(old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]])
     for g in sorted(seen)[:-STEPS_SEEN_GENERATIONS]:
         del seen[g]
     return seen
+
+
+def fold_fingerprints(
+    old: NodeObs | None, reported: dict[str, list[list[int]]]
+) -> dict[int, dict[tuple[int, int], tuple[int, int]]]:
+    """``NodeObs.fingerprints`` after one more report (``reported``: rank → [step, gen,
+    layout, value], what its ckptd holds now): a snapshot's fingerprint stays after its slot
+    was reused, until FINGERPRINTS_KEPT newer ones of that rank arrived, so the controller
+    compares ranks whose snapshots do not reach it in the same report."""
+    out = {r: dict(v) for r, v in old.fingerprints.items()} if old is not None else {}
+    for r, items in reported.items():
+        mine = out.setdefault(int(r), {})
+        for step, gen, layout, value in items:
+            mine[(int(step), int(gen))] = (int(layout), int(value))
+        for k in sorted(mine, key=lambda p: (p[1], p[0]))[:-FINGERPRINTS_KEPT]:
+            del mine[k]
+    return out
 
 
 class Milestones:

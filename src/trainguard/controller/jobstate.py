@@ -80,10 +80,39 @@ class JobState:
     # when it was reached (wall clock, s) and its problems (empty: passed).
     checked_at: dict[str, float] = dataclasses.field(default_factory=dict)
     check_problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # Silent data corruption (controller/sdc.py). The newest [step, generation] whose
+    # snapshot fingerprints were compared, and the newest that agreed (the last known-good
+    # point); ``suspect``: [after_step, up_to_generation] ranges of points an SDC may have
+    # reached (step > after_step, generation <= up_to_generation), never restored; ``sdc_off``:
+    # the ranks' fingerprints differed from the first comparison on (not replicas).
+    fp_checked: list[int] | None = None
+    fp_agreed: list[int] | None = None
+    # [step, generation] points whose ranks' fingerprints were seen to agree (in memory, or in
+    # a durable step's parts): never suspect, whatever range holds them; the newest FP_GOOD_KEPT
+    fp_good: list[list[int]] = dataclasses.field(default_factory=list)
+    suspect: list[list[int]] = dataclasses.field(default_factory=list)
+    sdc_off: bool = False
 
 
 Event = tuple[str, dict[str, Any]]  # (kind, data): what the store records
 ACTIVE_PHASES = (Phase.RENDEZVOUS, Phase.RUNNING)
+FP_GOOD_KEPT = 16
+
+
+def known_good(s: JobState, point: tuple[int, int]) -> None:
+    """Record that ``point``'s fingerprints agreed (``JobState.fp_good``, bounded)."""
+    p = [int(point[0]), int(point[1])]
+    if p not in s.fp_good:
+        s.fp_good = sorted([*s.fp_good, p], key=lambda q: (q[1], q[0]))[-FP_GOOD_KEPT:]
+
+
+def suspect(s: JobState, point: tuple[int, int]) -> bool:
+    """Whether a silent data corruption may have reached ``point`` (step, generation)
+    (``JobState.suspect``, controller/sdc.py): such a point is never restored."""
+    step, gen = point
+    if [step, gen] in s.fp_good:
+        return False
+    return any(step > after and gen <= upto for after, upto in s.suspect)
 
 
 def goto(s: JobState, phase: Phase, now: float, events: list[Event], reason: str) -> None:
@@ -117,6 +146,8 @@ class Inputs:
       every rank reached it: ``t_rendezvous``, ``t_loaded``, ``t_first_step_start`` (stands
       for both when nothing was restored) and ``t_first_step`` (completes the recovery of
       that generation).
+    - ``agreed``: (step, generation) durable points whose parts' fingerprints agree
+      (``fingerprint.durable_verdict``): known good, never suspect of an SDC.
     - ``verdicts``: node → (wall time, problems) of pre-flight verdicts reached since the
       last tick (an empty tuple: passed; ``checking.PreflightDriver`` makes repeated
       inconclusive runs a failed verdict).
@@ -128,6 +159,7 @@ class Inputs:
     evict: dict[str, str] = dataclasses.field(default_factory=dict)
     milestones: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
     verdicts: dict[str, tuple[float, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    agreed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def empty(self) -> bool:
         return not (
@@ -137,6 +169,7 @@ class Inputs:
             or self.evict
             or self.milestones
             or self.verdicts
+            or self.agreed
         )
 
 
@@ -149,6 +182,7 @@ def merge_inputs(a: Inputs, b: Inputs) -> Inputs:
         evict={**a.evict, **b.evict},
         milestones=a.milestones + b.milestones,
         verdicts={**a.verdicts, **b.verdicts},
+        agreed=a.agreed + b.agreed,
     )
 
 
@@ -164,6 +198,8 @@ def fold_inputs(s: JobState, inputs: Inputs, events: list[tuple[str, dict[str, A
         if [step, gen] not in s.unusable:
             s.unusable.append([step, gen])
     s.evict.update(inputs.evict)
+    for point in inputs.agreed:
+        known_good(s, point)
     for node, (at, problems) in inputs.verdicts.items():
         s.checked_at[node], s.check_problems[node] = at, list(problems)
     for gen, name, t in inputs.milestones:
@@ -215,6 +251,7 @@ def next_incarnation(prev: JobState, now: float) -> JobState:
         generation=prev.generation,
         last_world=prev.last_world,
         unusable=[list(p) for p in prev.unusable],
+        suspect=[list(p) for p in prev.suspect],  # an SDC's reach outlives the run that saw it
         seen_checkpoint=prev.seen_checkpoint,
     )
 

@@ -5,7 +5,7 @@ job state and the agents' reports (no I/O)."""
 from __future__ import annotations
 
 from trainguard.controller.api import JobConfig, NodeObs, Pool
-from trainguard.controller.jobstate import JobState
+from trainguard.controller.jobstate import JobState, suspect
 
 
 def restore_point(
@@ -20,7 +20,8 @@ def restore_point(
     many ranks read it from each tier. A point is restorable when it is durable, or when
     every rank can read a verified memory copy of it: on its own node, or as a replica on
     another live node (replica_sources says where). Points some rank already failed to
-    restore from every tier (``s.unusable``) are never chosen."""
+    restore from every tier (``s.unusable``), and points a silent data corruption may have
+    reached (``jobstate.suspect``), are never chosen."""
     ranks: dict[int, set[tuple[int, int]]] = {}
     local: dict[int, set[tuple[int, int]]] = {}
     held = _replica_index(s, obs, cfg) if memory else {}
@@ -34,7 +35,7 @@ def restore_point(
             )
     in_memory = set.intersection(*ranks.values()) if ranks else set()
     unusable = {(p[0], p[1]) for p in s.unusable}
-    candidates = (in_memory | set(durable)) - unusable
+    candidates = {p for p in (in_memory | set(durable)) - unusable if not suspect(s, p)}
     if not candidates:
         return None, {}
     point = max(candidates)

@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from trainguard import protocol
-from trainguard.checkpoint import storage
+from trainguard.checkpoint import fingerprint, storage
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import (
     JobConfig,
@@ -281,18 +281,23 @@ class Controller:
         self._inputs.evict[str(node)] = why
 
     # ------------------------------------------------------------------ tick
-    def _durable(self, unusable: list[list[int]]) -> tuple[list[tuple[int, int]], list[Event]]:
-        """Verified committed (step, generation) pairs of the durable tier, and the events to
-        record. Each copy is verified once (a copy = a step and the generation that committed
-        it); a copy a rank could not read later is left out (``unusable``). Reads files: runs
-        off the event loop."""
+    def _durable(
+        self, unusable: list[list[int]]
+    ) -> tuple[list[tuple[int, int]], list[Event], list[tuple[int, int]]]:
+        """Verified committed (step, generation) pairs of the durable tier, the events to
+        record, and the pairs whose ranks' fingerprints agree (``fingerprint.durable_verdict``).
+        Each copy is verified once (a copy = a step and the generation that committed it); a
+        copy a rank could not read later is left out (``unusable``). Reads files: runs off the
+        event loop."""
         root = Path(self.cfg.ckpt_dir)
-        out, events = [], []
+        out, events, agreed = [], [], []
         for step in storage.list_committed(root):
             copy = (step, storage.committed_generation(root, step))
             if copy not in self._verified:
                 problems = storage.verify(root, step)
                 self._verified[copy] = not problems
+                if not problems and fingerprint.durable_verdict(storage.step_dir(root, step)):
+                    agreed.append(copy)
                 if problems:
                     events.append(
                         (
@@ -302,7 +307,7 @@ class Controller:
                     )
             if self._verified[copy] and list(copy) not in unusable:
                 out.append(copy)
-        return out, events
+        return out, events, agreed
 
     def _gate(self) -> bool:
         """Whether this tick may decide: not after the end, not on stale observations (after
@@ -391,7 +396,8 @@ class Controller:
             Phase.WAITING_FOR_NODES,
         )
         unusable = s.unusable + [list(p) for p in inputs.unusable]
-        ckpt, events = self._durable(unusable) if needs_ckpt else ([], [])
+        ckpt, events, agreed = self._durable(unusable) if needs_ckpt else ([], [], [])
+        inputs.agreed += agreed  # this tick's own inputs (merged back if the tick fails)
         new, decided = decide(s, obs, time.time(), self.cfg, ckpt, inputs)
         return new, events + decided, self._wants(new, obs, nodes)
 

@@ -22,6 +22,11 @@ Kinds (each fires once per job, not again after the restart it causes):
 - ``nan:step=S``              step S's loss is NaN on every rank (the script skips that update)
 - ``gemm-wrong:node=N``       node N's pre-flight GEMM returns a wrong result (one element
                               off by one): silent data corruption for the checks to catch
+- ``sdc:rank=R:step=S[:bit=B]`` silent data corruption in training: at its first checkpoint
+                              save at or after step S, rank R flips bit B (default 22, the
+                              float32 mantissa's top bit) of the first element of its first
+                              replicated floating-point tensor (a parameter), in the live state
+                              (``trainguard.faults.sdc``); nothing crashes
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "hang-collective": ("rank", "step"),
     "loss-spike": ("step",),
     "nan": ("step",),
+    "sdc": ("rank", "step"),
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step",)}
+_OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step",), "sdc": ("bit",)}
+SDC_DEFAULT_BIT = 22
 # Kinds the agent can fire by time, from outside the process: ``after=T`` replaces ``step=S``.
 TIMED = ("kill", "hang", "node-down")
 _EXAMPLE = "kill:rank=1:step=20"
@@ -59,6 +66,7 @@ class InjectSpec:
     code: int = 1
     factor: float = 1.0
     after: float | None = None  # seconds after the worker started (agent-fired drills)
+    bit: int = SDC_DEFAULT_BIT  # sdc: the bit flipped (0 = the lowest)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,6 +86,8 @@ class InjectSpec:
             tail = f":after={self.after:g}"
         if self.kind == "slow" and self.step is not None:
             tail += f":step={self.step}"
+        if self.kind == "sdc" and self.bit != SDC_DEFAULT_BIT:
+            tail += f":bit={self.bit}"
         return f"{self.kind}:{where}{tail}"
 
 
@@ -123,6 +133,8 @@ def parse_inject(text: str, index: int) -> InjectSpec:
             raise ValueError(f"--inject {text!r}: {key} must be >= 0")
     if "after" in kw and not (kw["after"] >= 0 and kw["after"] < float("inf")):
         raise ValueError(f"--inject {text!r}: after must be a number of seconds >= 0")
+    if kind == "sdc" and not 0 <= kw.get("bit", SDC_DEFAULT_BIT) < 64:
+        raise ValueError(f"--inject {text!r}: bit must be 0..63 (within one element)")
     if kind == "slow" and kw["factor"] < 1.0:
         raise ValueError(f"--inject {text!r}: factor must be >= 1.0")
     return InjectSpec(id=index, kind=kind, **kw)

@@ -164,6 +164,24 @@ class Runtime:
         if self.timing:
             self.add_time("communication", time.perf_counter() - t0)
 
+    def sdc_drill(self, step: int) -> InjectSpec | None:
+        """An injected ``sdc`` due at a checkpoint save of ``step`` (its step reached), once
+        per process; its ``inject_fired`` event is sent before the caller flips the bit."""
+        for spec in self._injects:
+            if spec.kind == "sdc" and spec.step is not None and spec.step <= step:
+                self._injects = [s for s in self._injects if s is not spec]
+                self._send_now(
+                    {
+                        "t": "event",
+                        "kind": "inject_fired",
+                        "ts": time.time(),
+                        "inject": spec.to_json(),
+                        "step": step,
+                    }
+                )
+                return spec
+        return None
+
     def drill(self, step: int) -> str | None:
         """The data fault injected at ``step`` (``loss-spike`` or ``nan``), for the script to
         apply to that step's real data or loss; None almost always."""
@@ -230,6 +248,8 @@ class Runtime:
             self._sock.sendto(wire.encode(self._token, message), self._agent)
 
     def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
+        if spec.kind == "sdc":
+            return  # fired by the Checkpointer at a save (sdc_drill)
         if spec.kind == "slow":
             # Sleep so that this step takes `factor` times its compute time (from the second
             # step of the process on: the first one's duration includes start-up).

@@ -1,0 +1,156 @@
+"""Silent data corruption, the pure parts: fingerprints of a snapshot, the majority vote,
+the decision (fault, quarantine, suspect range, check off), restore points, retention and
+the drill's bit flip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainguard.checkpoint import fingerprint, storage
+from trainguard.checkpoint.api import DCP_METADATA
+from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.decide import JobState, decide
+from trainguard.controller.jobstate import Inputs, suspect
+from trainguard.controller.restore import restore_point
+from trainguard.faults.inject import parse_inject
+from trainguard.faults.sdc import flip_bit
+
+
+def header(keys: dict[str, tuple[int, ...]], shards: dict[str, list[int]] | None = None) -> dict:
+    tensors = [{"key": k, "dtype": "float32", "shape": list(s)} for k, s in keys.items()]
+    return {
+        "layout": {"tensors": tensors},
+        "shards": {k: {"offset": off} for k, off in (shards or {}).items()},
+    }
+
+
+def test_fingerprints_cover_replicated_chunks_only() -> None:
+    h = header({"model.w": (4,), "per_rank.0.rng": (8,), "per_shard.3.pos": (1,)})
+    a = fingerprint.fingerprint(
+        h, {"model.w": [1], "per_rank.0.rng": [7], "per_shard.3.pos": [9]}, 0
+    )
+    b = fingerprint.fingerprint(
+        h, {"model.w": [1], "per_rank.0.rng": [8], "per_shard.3.pos": [5]}, 0
+    )
+    c = fingerprint.fingerprint(
+        h, {"model.w": [2], "per_rank.0.rng": [7], "per_shard.3.pos": [9]}, 0
+    )
+    assert a == b and a is not None and c is not None  # per-rank state is not compared
+    assert a[0] == c[0] and a[1] != c[1]  # same chunks, other bytes
+    # A shard of a DTensor: its offset is part of the layout (other shards never compare).
+    s0 = fingerprint.fingerprint(header({"w": (2,)}, {"w": [0]}), {"w": [1]}, 0)
+    s1 = fingerprint.fingerprint(header({"w": (2,)}, {"w": [2]}), {"w": [1]}, 1)
+    assert s0 is not None and s1 is not None and s0[0] != s1[0]
+    assert fingerprint.fingerprint(header({"per_rank.1.x": (1,)}), {"per_rank.1.x": [1]}, 1) is None
+
+
+def test_the_majority_names_the_culprit_and_two_replicas_cannot() -> None:
+    same = {r: (1, 10) for r in range(4)}
+    assert fingerprint.compare(same) == ([], [])
+    assert fingerprint.compare({**same, 2: (1, 11)}) == ([2], [])
+    assert fingerprint.compare({0: (1, 10), 1: (1, 11)}) == ([], [0, 1])
+    assert fingerprint.compare({0: (1, 10), 1: (1, 11), 2: (1, 12)}) == ([], [0, 1, 2])
+    # Groups by layout (other chunks): each group on its own.
+    assert fingerprint.compare({0: (1, 10), 1: (1, 10), 2: (2, 5), 3: (2, 5)}) == ([], [])
+
+
+def cfg(**kw: object) -> JobConfig:
+    base: dict[str, object] = dict(script="t.py", run_dir="/tmp/x", nodes=2, nproc_per_node=2,
+                                   standby=1, heartbeat_s=0.5, node_timeout_s=5.0)  # fmt: skip
+    return JobConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def running(now: float, values: dict[int, dict[int, int]]) -> tuple[JobState, dict[str, NodeObs]]:
+    """A RUNNING generation 0 on node0 (ranks 0, 1) and node1 (ranks 2, 3), node2 standby;
+    ``values``: step → rank → fingerprint value (layout 7)."""
+    s = JobState(phase=Phase.RUNNING, phase_since=now, generation=0, master_port=1,
+                 assignment={"node0": 0, "node1": 1},
+                 pools={"node0": Pool.RUNNING, "node1": Pool.RUNNING, "node2": Pool.STANDBY})  # fmt: skip
+    obs = {}
+    for i, n in enumerate(("node0", "node1", "node2")):
+        ranks = (2 * i, 2 * i + 1) if i < 2 else ()
+        obs[n] = NodeObs(node_id=n, addr=n, incarnation="i", last_seen=now,
+                         generation=0 if ranks else None,
+                         workers={r: WorkerObs(rank=r, local_rank=r % 2, pid=r + 10,
+                                               state="running", step=30) for r in ranks},
+                         fingerprints={r: {(st, 0): (7, v[r]) for st, v in values.items()
+                                           if r in v} for r in ranks})  # fmt: skip
+    return s, obs
+
+
+def test_a_minority_replica_is_a_fault_its_node_quarantined_and_newer_points_suspect() -> None:
+    good = {r: 100 for r in range(4)}
+    s, obs = running(1000.0, {15: good, 20: good, 25: {**good, 1: 101}})
+    new, events = decide(s, obs, 1000.0, cfg(), [])
+    assert new.phase == Phase.STOPPING and new.recovery is not None
+    fault = new.recovery.fault
+    assert (fault.cause, fault.rank, fault.node_id, fault.step) == ("sdc", 1, "node0", 25)
+    assert new.pools["node0"] == Pool.FAULTY and new.fp_agreed == [20, 0]
+    detected = next(d for k, d in events if k == "sdc_detected")
+    assert detected["culprits"] == [1] and detected["last_agreed"] == [20, 0]
+    assert new.suspect == [[20, 0]]
+    assert suspect(new, (25, 0)) and suspect(new, (21, 0)) and not suspect(new, (20, 0))
+    assert not suspect(new, (25, 1))  # a later generation re-ran from a good point
+    assert not decide(s, obs, 1000.0, cfg(sdc_check=False), [])[0].recovery
+
+
+def test_a_step_not_every_rank_reported_is_not_compared() -> None:
+    s, obs = running(1000.0, {25: {0: 100, 1: 100, 2: 101}})  # rank 3's snapshot missing
+    new, _ = decide(s, obs, 1000.0, cfg(), [])
+    assert new.phase == Phase.RUNNING and new.fp_checked is None
+
+
+def test_ranks_that_differ_from_the_first_comparison_with_no_majority_turn_the_check_off() -> None:
+    s, obs = running(1000.0, {5: {0: 1, 1: 2, 2: 3, 3: 4}})
+    new, events = decide(s, obs, 1000.0, cfg(), [])
+    assert new.phase == Phase.RUNNING and new.sdc_off
+    assert [k for k, _ in events] == ["sdc_check_off"]
+
+
+def test_restore_skips_suspect_points_but_not_ones_known_to_agree() -> None:
+    s = JobState(assignment={"n": 0}, suspect=[[20, 0]])
+    c = cfg(nodes=1, nproc_per_node=1, standby=0)
+    durable = [(15, 0), (20, 0), (25, 0), (30, 0)]
+    assert restore_point(s, {}, c, durable)[0] == (20, 0)
+    s2, _ = decide(s, {}, 1.0, c, [], Inputs(agreed=[(30, 0)]))  # its parts' fingerprints agree
+    assert restore_point(s2, {}, c, durable)[0] == (30, 0)
+
+
+def _durable_step(root: Path, step: int, values: list[int]) -> None:
+    tmp = storage.tmp_dir(root, step, 0)
+    for rank, v in enumerate(values):
+        (tmp / f"rank_{rank}").mkdir(parents=True)
+        fingerprint.write_part(tmp / f"rank_{rank}", [7, v])
+    (tmp / DCP_METADATA).write_bytes(b"x")
+    storage.commit(tmp, root, step)
+
+
+def test_retention_keeps_the_newest_agreeing_step_while_newer_ones_differ(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    for step, vals in ((10, [1, 1, 1]), (20, [2, 2, 2]), (30, [3, 9, 3]), (40, [4, 9, 4])):
+        _durable_step(root, step, vals)
+        storage.prune(root, 2)
+    assert storage.list_committed(root) == [20, 30, 40]  # 20 is the rollback target
+    assert fingerprint.durable_verdict(storage.step_dir(root, 30)) is False
+    _durable_step(root, 50, [5, 5, 5])  # a good step again: normal retention
+    storage.prune(root, 2)
+    assert storage.list_committed(root) == [40, 50]
+
+
+def test_the_drill_flips_one_bit_of_a_live_parameter() -> None:
+    spec = parse_inject("sdc:rank=1:step=20:bit=3", 0)
+    assert (spec.kind, spec.rank, spec.step, spec.bit) == ("sdc", 1, 20, 3)
+    assert parse_inject("sdc:rank=1:step=20", 0).bit == 22
+    with pytest.raises(ValueError, match="bit must be 0..63"):
+        parse_inject("sdc:rank=1:step=20:bit=64", 0)
+    m = torch.nn.Linear(2, 2)
+    before = m.weight.detach().clone()
+    got = flip_bit({"model": m, "per_rank": {"rng": torch.ones(3)}}, 0, 3)
+    assert got["key"] == "model.weight"
+    flipped = (m.weight.detach().view(torch.int32) ^ before.view(torch.int32)).flatten()
+    assert flipped.tolist() == [8, 0, 0, 0]  # exactly bit 3 of element 0, in the live tensor
+    json.dumps(got)
