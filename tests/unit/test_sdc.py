@@ -14,6 +14,7 @@ from trainguard.checkpoint import fingerprint, storage
 from trainguard.checkpoint.api import DCP_METADATA
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide
+from trainguard.controller.ingest import FingerprintIndex
 from trainguard.controller.jobstate import Inputs, suspect
 from trainguard.controller.restore import restore_point
 from trainguard.faults.inject import parse_inject
@@ -64,9 +65,8 @@ def cfg(**kw: object) -> JobConfig:
     return JobConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def running(now: float, values: dict[int, dict[int, int]]) -> tuple[JobState, dict[str, NodeObs]]:
-    """A RUNNING generation 0 on node0 (ranks 0, 1) and node1 (ranks 2, 3), node2 standby;
-    ``values``: step → rank → fingerprint value (layout 7)."""
+def running(now: float) -> tuple[JobState, dict[str, NodeObs]]:
+    """A RUNNING generation 0 on node0 (ranks 0, 1) and node1 (ranks 2, 3), node2 standby."""
     s = JobState(phase=Phase.RUNNING, phase_since=now, generation=0, master_port=1,
                  assignment={"node0": 0, "node1": 1},
                  pools={"node0": Pool.RUNNING, "node1": Pool.RUNNING, "node2": Pool.STANDBY})  # fmt: skip
@@ -76,16 +76,25 @@ def running(now: float, values: dict[int, dict[int, int]]) -> tuple[JobState, di
         obs[n] = NodeObs(node_id=n, addr=n, incarnation="i", last_seen=now,
                          generation=0 if ranks else None,
                          workers={r: WorkerObs(rank=r, local_rank=r % 2, pid=r + 10,
-                                               state="running", step=30) for r in ranks},
-                         fingerprints={r: {(st, 0): (7, v[r]) for st, v in values.items()
-                                           if r in v} for r in ranks})  # fmt: skip
+                                               state="running", step=30) for r in ranks})  # fmt: skip
     return s, obs
+
+
+def reported(values: dict[int, dict[int, int]]) -> Inputs:
+    """What the executor's index hands decide: step → rank → value (layout 7), every step
+    that all ranks reported (``FingerprintIndex``, fed as the agents' reports would)."""
+    index = FingerprintIndex()
+    for node_ranks in ((0, 1), (2, 3)):
+        index.add({str(r): [[st, 0, 7, v[r]] for st, v in values.items() if r in v]
+                   for r in node_ranks})  # fmt: skip
+    return Inputs(fingerprints=index.complete(0, 4))
 
 
 def test_a_minority_replica_is_a_fault_its_node_quarantined_and_newer_points_suspect() -> None:
     good = {r: 100 for r in range(4)}
-    s, obs = running(1000.0, {15: good, 20: good, 25: {**good, 1: 101}})
-    new, events = decide(s, obs, 1000.0, cfg(), [])
+    s, obs = running(1000.0)
+    points = reported({15: good, 20: good, 25: {**good, 1: 101}})
+    new, events = decide(s, obs, 1000.0, cfg(), [], points)
     assert new.phase == Phase.STOPPING and new.recovery is not None
     fault = new.recovery.fault
     assert (fault.cause, fault.rank, fault.node_id, fault.step) == ("sdc", 1, "node0", 25)
@@ -95,19 +104,27 @@ def test_a_minority_replica_is_a_fault_its_node_quarantined_and_newer_points_sus
     assert new.suspect == [[20, 0]]
     assert suspect(new, (25, 0)) and suspect(new, (21, 0)) and not suspect(new, (20, 0))
     assert not suspect(new, (25, 1))  # a later generation re-ran from a good point
-    assert not decide(s, obs, 1000.0, cfg(sdc_check=False), [])[0].recovery
+    assert not decide(s, obs, 1000.0, cfg(sdc_check=False), [], points)[0].recovery
 
 
-def test_a_step_not_every_rank_reported_is_not_compared() -> None:
-    s, obs = running(1000.0, {25: {0: 100, 1: 100, 2: 101}})  # rank 3's snapshot missing
-    new, _ = decide(s, obs, 1000.0, cfg(), [])
-    assert new.phase == Phase.RUNNING and new.fp_checked is None
+def test_a_point_is_compared_once_every_rank_reported_it() -> None:
+    index = FingerprintIndex()
+    index.add({"0": [[25, 0, 7, 100]], "1": [[25, 0, 7, 100]], "2": [[25, 0, 7, 101]]})
+    assert index.complete(0, 4) == []  # rank 3's snapshot missing
+    index.add({"3": [[25, 0, 7, 100]], "2": [[25, 0, 7, 101]]})
+    (point,) = index.complete(0, 4)
+    assert point[:2] == (25, 0) and index.complete(0, 4) == []  # handed once
+    index.add({"0": [[25, 0, 7, 100]]})  # ckptd still holds it: not gathered again
+    assert index.complete(0, 4) == []
 
 
-def test_ranks_that_differ_from_the_first_comparison_with_no_majority_turn_the_check_off() -> None:
-    s, obs = running(1000.0, {5: {0: 1, 1: 2, 2: 3, 3: 4}})
-    new, events = decide(s, obs, 1000.0, cfg(), [])
-    assert new.phase == Phase.RUNNING and new.sdc_off
+@pytest.mark.parametrize("first", [{0: 1, 1: 2, 2: 3, 3: 4}, {0: 1, 1: 1, 2: 1, 3: 2}])
+def test_ranks_that_differ_at_the_first_comparison_turn_the_check_off(first: dict) -> None:
+    s, obs = running(1000.0)
+    new, events = decide(
+        s, obs, 1000.0, cfg(), [], reported({5: first, 10: {r: 9 for r in range(4)}})
+    )
+    assert new.phase == Phase.RUNNING and new.sdc_off and new.recovery is None
     assert [k for k, _ in events] == ["sdc_check_off"]
 
 

@@ -281,15 +281,9 @@ class NodeObs:
     # decisions run on a coalesced tick, and a report after a stop lists no workers); the
     # newest STEPS_SEEN_GENERATIONS generations only, so memory per node stays bounded.
     steps_seen: dict[int, int] = dataclasses.field(default_factory=dict)
-    # rank → (step, gen) → (layout, value): fingerprints of its ranks' verified snapshots
-    # (checkpoint/fingerprint.py), folded across reports, the newest FINGERPRINTS_KEPT per rank.
-    fingerprints: dict[int, dict[tuple[int, int], tuple[int, int]]] = dataclasses.field(
-        default_factory=dict
-    )
 
 
 STEPS_SEEN_GENERATIONS = 4
-FINGERPRINTS_KEPT = 4
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

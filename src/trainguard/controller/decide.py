@@ -14,6 +14,7 @@ policy, replacement, planned stops, the next generation), ``desired`` (desired s
 from __future__ import annotations
 
 from trainguard.controller.api import (
+    Fault,
     JobConfig,
     NodeObs,
     Phase,
@@ -65,6 +66,10 @@ def decide(
         fold_inputs(s, inputs, events)
     update_pools(s, obs, now, cfg, events)
     _fold_steps(s, obs)
+    if s.phase == Phase.RUNNING and inputs is not None and inputs.fingerprints:
+        sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events)
+        if sdc is not None:
+            _faulted(s, sdc, now, events)
     if (
         s.stop_requested
         and not s.phase.terminal
@@ -178,14 +183,9 @@ def _active(
         s.master_port = store[1]
     both = gen_workers(s, obs)
     fault = detect_fault(s, obs, now, cfg, both)
-    if fault is None and s.phase == Phase.RUNNING:
-        fault = check_fingerprints(s, obs, now, cfg, events)
     workers = [w for _, w in both]
     if fault is not None:
-        s.recovery = Recovery(fault=fault, from_generation=gen)
-        events.append(("fault", fault.to_json()))
-        goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
-        goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
+        _faulted(s, fault, now, events)
     elif len(workers) == world_of(s, cfg) and all(
         w.state == "succeeded" or stuck_at_exit(w, workers, cfg, events, gen) for w in workers
     ):
@@ -226,6 +226,14 @@ def _active(
         # save a durable step) and restart on the larger world; not a fault, no budget.
         s.growing = True
         goto(s, Phase.STOPPING, now, events, "grow: standby node(s) available")
+
+
+def _faulted(s: JobState, fault: Fault, now: float, events: list[Event]) -> None:
+    """The running generation has a fault: FAULTED, then STOPPING at once."""
+    s.recovery = Recovery(fault=fault, from_generation=s.generation)
+    events.append(("fault", fault.to_json()))
+    goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
+    goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
 
 
 def _stopping(

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.controller.api import FINGERPRINTS_KEPT, STEPS_SEEN_GENERATIONS, NodeObs, WorkerObs
+from trainguard.controller.api import STEPS_SEEN_GENERATIONS, NodeObs, WorkerObs
 
 
 def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float) -> NodeObs:
     """Node ``node_id``'s observation from its report ``body`` (validated by
     ``protocol.validate_report``) received at ``now`` (controller wall clock, s). ``old``: its
-    previous observation; the newest step per generation carries over (``fold_steps``), and
-    so do its ranks' newest snapshot fingerprints (``fold_fingerprints``).
+    previous observation; the newest step per generation carries over (``fold_steps``).
     Raises KeyError, TypeError or ValueError on a shape validation let through."""
     workers = {int(w["rank"]): WorkerObs(**w) for w in body.get("workers", [])}
     store = body.get("store")
@@ -41,7 +40,6 @@ def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float)
         clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
     )
     o.steps_seen = fold_steps(old, o, body.get("steps", []))
-    o.fingerprints = fold_fingerprints(old, body.get("fingerprints") or {})
     return o
 
 
@@ -73,21 +71,44 @@ def fold_steps(old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]])
     return seen
 
 
-def fold_fingerprints(
-    old: NodeObs | None, reported: dict[str, list[list[int]]]
-) -> dict[int, dict[tuple[int, int], tuple[int, int]]]:
-    """``NodeObs.fingerprints`` after one more report (``reported``: rank → [step, gen,
-    layout, value], what its ckptd holds now): a snapshot's fingerprint stays after its slot
-    was reused, until FINGERPRINTS_KEPT newer ones of that rank arrived, so the controller
-    compares ranks whose snapshots do not reach it in the same report."""
-    out = {r: dict(v) for r, v in old.fingerprints.items()} if old is not None else {}
-    for r, items in reported.items():
-        mine = out.setdefault(int(r), {})
-        for step, gen, layout, value in items:
-            mine[(int(step), int(gen))] = (int(layout), int(value))
-        for k in sorted(mine, key=lambda p: (p[1], p[0]))[:-FINGERPRINTS_KEPT]:
-            del mine[k]
-    return out
+class FingerprintIndex:
+    """The ranks' snapshot fingerprints by point, gathered from the reports as they arrive
+    (work per report, not per tick), until every rank of the generation's world reported a
+    point: ``complete`` then hands it to ``decide`` (``Inputs.fingerprints``) once. A report
+    carries what its ckptd holds now, so a point stays gathered after its slot is reused.
+    Bounded: the newest KEPT points gathered, the newest KEPT handed."""
+
+    KEPT = 16
+
+    def __init__(self) -> None:
+        self._points: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        self._handed: set[tuple[int, int]] = set()
+
+    def add(self, reported: dict[str, list[list[int]]]) -> None:
+        """One report's ``fingerprints`` (rank → [step, gen, layout, value])."""
+        for r, items in reported.items():
+            for step, gen, layout, value in items:
+                point = (int(gen), int(step))
+                if point not in self._handed:
+                    self._points.setdefault(point, {})[int(r)] = (int(layout), int(value))
+        for point in sorted(self._points)[: -self.KEPT]:
+            del self._points[point]
+
+    def complete(
+        self, generation: int, world: int
+    ) -> list[tuple[int, int, dict[int, tuple[int, int]]]]:
+        """(step, generation, rank → (layout, value)) of each point of ``generation`` that all
+        ``world`` ranks reported, in step order; each once."""
+        out = []
+        for gen, step in sorted(self._points):
+            fps = self._points[(gen, step)]
+            if gen == generation and len(fps) >= world:
+                out.append((step, gen, fps))
+                del self._points[(gen, step)]
+                self._handed.add((gen, step))
+        if len(self._handed) > self.KEPT:
+            self._handed = set(sorted(self._handed)[-self.KEPT :])
+        return out
 
 
 class Milestones:

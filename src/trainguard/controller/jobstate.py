@@ -146,6 +146,8 @@ class Inputs:
       every rank reached it: ``t_rendezvous``, ``t_loaded``, ``t_first_step_start`` (stands
       for both when nothing was restored) and ``t_first_step`` (completes the recovery of
       that generation).
+    - ``fingerprints``: (step, generation, rank → (layout, value)) of snapshot points every
+      rank reported (``ingest.FingerprintIndex``), for the SDC check (controller/sdc.py).
     - ``agreed``: (step, generation) durable points whose parts' fingerprints agree
       (``fingerprint.durable_verdict``): known good, never suspect of an SDC.
     - ``verdicts``: node → (wall time, problems) of pre-flight verdicts reached since the
@@ -160,6 +162,9 @@ class Inputs:
     milestones: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
     verdicts: dict[str, tuple[float, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
     agreed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    fingerprints: list[tuple[int, int, dict[int, tuple[int, int]]]] = dataclasses.field(
+        default_factory=list
+    )
 
     def empty(self) -> bool:
         return not (
@@ -170,6 +175,7 @@ class Inputs:
             or self.milestones
             or self.verdicts
             or self.agreed
+            or self.fingerprints
         )
 
 
@@ -183,6 +189,7 @@ def merge_inputs(a: Inputs, b: Inputs) -> Inputs:
         milestones=a.milestones + b.milestones,
         verdicts={**a.verdicts, **b.verdicts},
         agreed=a.agreed + b.agreed,
+        fingerprints=a.fingerprints + b.fingerprints,
     )
 
 

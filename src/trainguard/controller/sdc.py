@@ -2,18 +2,20 @@
 
 Data-parallel replicas hold bit-identical parameters and optimizer state after every
 optimizer step; each rank's ckptd fingerprints the replicated chunks of every verified
-snapshot (``checkpoint/fingerprint.py``) and the agents report them. For each snapshot step
-of the running generation that every rank reported, ranks holding the same chunks (the same
-``layout``) are compared:
+snapshot (``checkpoint/fingerprint.py``) and the agents report them. The executor gathers
+them per point as reports arrive (``ingest.FingerprintIndex``); each point of the running
+generation that every rank reported reaches ``decide`` once (``Inputs.fingerprints``), and
+ranks holding the same chunks (the same ``layout``) are compared:
 
 - all equal: the step is the newest known-good point (``JobState.fp_agreed``);
 - a strict majority of at least 3 agrees: each rank outside it is a culprit (its node is
   quarantined and replaced), the SDC is a fault of the generation;
 - 2 replicas, or no majority: the corruption is certain but not localized; the job rolls
   back without quarantining anyone;
-- different from the job's first comparison on, with no majority: the ranks are not
-  replicas (tensor-parallel shards saved as plain tensors, per-rank buffers such as
-  BatchNorm statistics): the check is off for the job (``sdc_off``, one event says why).
+- different at the job's first comparison (before any step agreed): taken for ranks that do
+  not hold replicas (tensor-parallel shards saved as plain tensors, per-rank buffers such as
+  BatchNorm statistics), not for a corruption: the check is off for the job (``sdc_off``, one
+  event says why). A false alarm would quarantine healthy nodes and roll back for ever.
 
 On an SDC every point newer than the last known-good one, of this generation or an older
 one, is suspect (``JobState.suspect``) and never restored: the corruption may have reached
@@ -24,50 +26,37 @@ Pure: reads the observations, writes only the state it is given (``decide``'s co
 from __future__ import annotations
 
 from trainguard.checkpoint.fingerprint import compare
-from trainguard.controller.api import Fault, JobConfig, NodeObs
+from trainguard.controller.api import Fault, JobConfig
 from trainguard.controller.jobstate import Event, JobState, known_good
 from trainguard.controller.pools import mark_faulty
 from trainguard.protocol import FaultCause
 
 
-def _points(
-    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig
-) -> dict[int, dict[int, tuple[int, int]]]:
-    """step → rank → (layout, value) of the current generation, past ``fp_checked``."""
-    gen = s.generation
-    after = s.fp_checked[0] if s.fp_checked and s.fp_checked[1] == gen else -1
-    out: dict[int, dict[int, tuple[int, int]]] = {}
-    for node, node_rank in s.assignment.items():
-        o = obs.get(node)
-        if o is None:
-            continue
-        for i in range(cfg.nproc_per_node):
-            rank = node_rank * cfg.nproc_per_node + i
-            for (step, g), fp in o.fingerprints.get(rank, {}).items():
-                if g == gen and step > after:
-                    out.setdefault(step, {})[rank] = fp
-    return out
-
-
 def check_fingerprints(
-    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+    s: JobState,
+    points: list[tuple[int, int, dict[int, tuple[int, int]]]],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
 ) -> Fault | None:
-    """Compare the running generation's new complete snapshot steps (see the module); a
-    fault on an SDC, with culprits' nodes marked faulty and the suspect range recorded."""
+    """Compare the running generation's complete snapshot points (``Inputs.fingerprints``:
+    step, generation, rank → (layout, value)), oldest first (see the module); a fault on an
+    SDC, with culprits' nodes marked faulty and the suspect range recorded."""
     if not cfg.sdc_check or s.sdc_off:
         return None
-    world = len(s.assignment) * cfg.nproc_per_node
-    gen = s.generation
-    for step, fps in sorted(_points(s, obs, cfg).items()):
-        if len(fps) < world:
-            continue  # not every rank's snapshot of it is in (yet, or it skipped this one)
+    for step, gen, fps in sorted(points):
+        if gen != s.generation:
+            continue
         s.fp_checked = [step, gen]
         culprits, undecided = compare(fps)
         if not culprits and not undecided:
             s.fp_agreed = [step, gen]
             known_good(s, (step, gen))
             continue
-        if s.fp_agreed is None and not culprits:
+        if s.fp_agreed is None:
+            # Never agreed: more likely not replicas (per-rank tensors saved as plain state,
+            # BatchNorm statistics) than a corruption before the first snapshot. A false SDC
+            # would quarantine a healthy node and roll back for ever: turn the check off.
             s.sdc_off = True
             events.append(
                 (
@@ -75,21 +64,22 @@ def check_fingerprints(
                     {
                         "generation": gen,
                         "step": step,
-                        "reason": "the ranks' state fingerprints differ from the first "
-                        "comparison on, with no majority: they do not hold replicas (tensor-"
-                        "parallel shards saved as plain tensors, per-rank buffers); set "
-                        "sdc_check = false to silence this",
+                        "culprits": culprits,
+                        "undecided": undecided,
+                        "reason": "the ranks' state fingerprints differ at the job's first "
+                        "comparison: they do not hold replicas (per-rank tensors saved outside "
+                        "per_rank, BatchNorm statistics, tensor-parallel shards saved as plain "
+                        "tensors); set sdc_check = false to silence this",
                     },
                 )
             )
             return None
-        return _fault(s, obs, now, cfg, events, step, culprits, undecided)
+        return _fault(s, now, cfg, events, step, culprits, undecided)
     return None
 
 
 def _fault(
     s: JobState,
-    obs: dict[str, NodeObs],
     now: float,
     cfg: JobConfig,
     events: list[Event],

@@ -30,7 +30,7 @@ from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for
 from trainguard.controller.http import HttpApi
-from trainguard.controller.ingest import Milestones, addresses_changed, observe
+from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses_changed, observe
 from trainguard.controller.jobstate import (
     Inputs,
     StateEncoder,
@@ -126,6 +126,7 @@ class Controller:
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
         self._milestones = Milestones()
+        self._fingerprints = FingerprintIndex()
         self._last_state = ""
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
@@ -226,6 +227,7 @@ class Controller:
         if addresses_changed(old_obs, new_obs):
             self._full_publish = True  # peers' desired states name this node's addresses
         self._dirty.add(node_id)
+        self._fingerprints.add(body.get("fingerprints") or {})
         self._checking.seen(node_id, now)
         if self.preflight is not None:
             self.preflight.ingest(node_id, body.get("checks", []))
@@ -359,6 +361,9 @@ class Controller:
             return
         obs = dict(self.obs)  # reports that arrive meanwhile go to the next tick
         inputs, self._inputs = self._inputs, Inputs()
+        if self.state.phase == Phase.RUNNING:
+            world = world_of(self.state, self.cfg)
+            inputs.fingerprints = self._fingerprints.complete(self.state.generation, world)
         full = self._full_publish_due()
         nodes = list(obs) if full else [n for n in self._dirty if n in obs]
         self._dirty = set()
