@@ -41,6 +41,7 @@ from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
 from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
+from trainguard.health.signals import read_signals
 from trainguard.protocol import (
     Check,
     Desired,
@@ -60,6 +61,7 @@ LOOP_S = 0.05
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
 CALIBRATION_FACTOR = 10.0
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when it gave up on its controller
+SIGNALS_S = 2.0  # hardware counters (failure prediction) read at most this often
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +121,8 @@ class Agent:
         self._hang_mono = 0.0  # when the hang was flagged
         self._drills_fired: set[int] = set()  # timed drills (after=T) fired by this agent
         self._sampled_mono = 0.0  # when the outside view was last read
+        self._signals: dict[str, Any] = {}  # hardware counters (health/signals.py)
+        self._signals_mono = -1e9
         self._stopped_generation = -1
         self._store: tuple[int, Any] | None = None
         self._events: list[dict[str, Any]] = []
@@ -239,7 +243,10 @@ class Agent:
     def _health(self) -> dict[str, Any]:
         shm = Path(self.ckptd.ckpt.shm_dir if self.ckptd.ckpt else "/dev/shm")
         ok, problems = host_health(self.cfg.run_dir, shm)
-        return {"ok": ok, "problems": problems}
+        now = time.monotonic()
+        if now - self._signals_mono >= SIGNALS_S:  # NVML calls: not on every heartbeat
+            self._signals, self._signals_mono = read_signals(self.cfg.node_id), now
+        return {"ok": ok, "problems": problems, "signals": self._signals}
 
     def _fence(self) -> None:
         """Cut off from the controller for longer than it waits before declaring this node lost:

@@ -147,6 +147,11 @@ class JobConfig:
     # Compare data-parallel replicas' snapshot fingerprints (checkpoint/fingerprint.py) and
     # treat a mismatch as silent data corruption (controller/sdc.py).
     sdc_check: bool = True
+    # Failure prediction (controller/risk.py): corrected errors within risk_window_s that
+    # flag a node at risk; °C below a GPU's slowdown threshold that do.
+    risk_ce_delta: float = 10.0
+    risk_window_s: float = 600.0
+    risk_temp_margin_c: float = 5.0
     alert_webhook: str | None = None  # POST each alert there as JSON (5 s timeout)
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 

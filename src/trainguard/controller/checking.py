@@ -60,7 +60,13 @@ class PreflightDriver:
         if pf.active is not None or check_only or s.phase.terminal:
             return verdicts
         new = [n for n in alive if n not in s.pools and n not in pf.verdicts]
-        recheck = [n for n in alive if needs_recheck(s, obs[n], now, cfg)]
+        # A verdict handed this tick is not in ``s`` yet: count it, or the node that just
+        # failed its re-check would be checked again at once.
+        recheck = [
+            n
+            for n in alive
+            if needs_recheck(s, obs[n], now, cfg, self._handed.get(n, (None, ()))[0])
+        ]
         if new:
             settled = now - max(self.first_seen[n] for n in new) >= SETTLE_S
             if settled or len(new) + len(s.pools) >= cfg.nodes + cfg.standby:

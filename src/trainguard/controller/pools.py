@@ -62,14 +62,19 @@ def _admit(s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Eve
         )
 
 
-def needs_recheck(s: JobState, o: NodeObs, now: float, cfg: JobConfig) -> bool:
+def needs_recheck(
+    s: JobState, o: NodeObs, now: float, cfg: JobConfig, checked_at: float | None = None
+) -> bool:
     """A quarantined node that is reachable, due for its re-check (or back with a fresh agent)
-    and passes its host checks, but has no pre-flight verdict newer than its fault."""
+    and passes its host checks, but has no pre-flight verdict newer than its fault.
+    ``checked_at``: its newest verdict's time when the caller knows one ``s`` does not have
+    yet (a verdict handed to ``decide`` in this very tick)."""
     if cfg.preflight == "off" or s.pools.get(o.node_id) != Pool.FAULTY or not o.health_ok:
         return False
     fresh = s.faulty_incarnations.get(o.node_id) != o.incarnation
     due = now >= s.recheck_at.get(o.node_id, now)
-    checked = s.checked_at.get(o.node_id, -1.0) > s.faulty_since.get(o.node_id, 0.0)
+    at = max(s.checked_at.get(o.node_id, -1.0), -1.0 if checked_at is None else checked_at)
+    checked = at > s.faulty_since.get(o.node_id, 0.0)
     return (fresh or due) and not checked
 
 

@@ -40,6 +40,7 @@ from trainguard.controller.jobstate import (
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.pools import is_alive, world_of
 from trainguard.controller.restore import ring_of
+from trainguard.controller.risk import RiskConfig, RiskWatch
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
@@ -127,6 +128,13 @@ class Controller:
         self._verified: dict[tuple[int, int], bool] = {}
         self._milestones = Milestones()
         self._fingerprints = FingerprintIndex()
+        self._risk = RiskWatch(
+            RiskConfig(
+                ce_delta=cfg.risk_ce_delta,
+                window_s=cfg.risk_window_s,
+                temp_margin_c=cfg.risk_temp_margin_c,
+            )
+        )
         self._last_state = ""
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
@@ -228,6 +236,9 @@ class Controller:
             self._full_publish = True  # peers' desired states name this node's addresses
         self._dirty.add(node_id)
         self._fingerprints.add(body.get("fingerprints") or {})
+        at_risk = self._risk.observe(node_id, now, (body.get("health") or {}).get("signals"))
+        if at_risk is not None:
+            self._at_risk(node_id, at_risk)
         self._checking.seen(node_id, now)
         if self.preflight is not None:
             self.preflight.ingest(node_id, body.get("checks", []))
@@ -274,13 +285,32 @@ class Controller:
         node = data.get("node")
         if kind != "straggler" or self.cfg.straggler_action != "replace" or node is None:
             return
-        now = time.time()
-        spare = [n for n, p in self.state.pools.items() if p == Pool.STANDBY and self.alive(n, now)]
-        if not spare:
+        if not self._standby_ready():
             self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
             return
         why = f"straggler: rank {data['rank']} computes {data['score']}x the median"
         self._inputs.evict[str(node)] = why
+
+    def _standby_ready(self) -> bool:
+        now = time.time()
+        return any(p == Pool.STANDBY and self.alive(n, now) for n, p in self.state.pools.items())
+
+    def _at_risk(self, node: str, why: str) -> None:
+        """Failure prediction flagged ``node`` (``risk.RiskWatch``): a running node is drained
+        to a standby at the next checkpoint boundary (a planned stop: no step lost, no
+        restart charged); without a healthy standby, or not running, it is only reported."""
+        running = node in self.state.assignment and not self.state.phase.terminal
+        if running and self._standby_ready():
+            action = "drain to a standby at the next checkpoint boundary"
+            self._inputs.evict[node] = f"at risk: {why}"
+        elif running:
+            action = "kept: no healthy standby to take its place"
+        else:
+            action = "not training: watched"
+        data = {"node": node, "reason": why, "action": action}
+        self.store.record("node_at_risk", data)
+        self.monitor.alert("node_at_risk", data)
+        log.warning("node %s at risk: %s (%s)", node, why, action)
 
     # ------------------------------------------------------------------ tick
     def _durable(
