@@ -16,7 +16,10 @@ from tests.conftest import (
     fault_free_losses,
     finish_job,
     losses,
+    reached_step,
+    report,
     start_job,
+    wait_for,
 )
 
 STEPS = 60
@@ -80,6 +83,9 @@ def test_a_flipped_bit_in_one_of_four_replicas_is_named_rolled_back_and_loses_no
     assert "node0" not in starts[1]["assignment"], starts[1]
     assert starts[1]["assignment"]["node2"] == 0  # the standby took node rank 0
     assert not _suspect_restores(evs, detected)
+    (sdc,) = report(run)["sdc"]
+    assert sdc["culprits"] == [0] and sdc["rollback_to"] == starts[1]["restore_step"], sdc
+    assert sdc["steps_recomputed"] == 25 - starts[1]["restore_step"]
     durable_25 = [e for e in evs if e["kind"] == "ckpt_durable" and e["step"] == 25]
     print(f"durable step 25 of the corrupt generation committed: {bool(durable_25)}")
 
@@ -100,3 +106,46 @@ def test_two_replicas_that_disagree_roll_back_without_naming_a_culprit(
     assert detected["last_agreed"][0] in (15, 20, 25), detected
     assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
     assert not _suspect_restores(evs, detected)
+
+
+def test_a_node_whose_corrected_errors_climb_is_drained_with_no_lost_step(
+    tmp_path: Path, reference2: dict[int, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failure prediction: node1's memory controller starts reporting corrected errors (the
+    EDAC counter files its agent reads, written here). It is flagged at risk and drained to
+    the standby at the next checkpoint boundary: a planned stop, no fault, no restart charged,
+    no step lost, the same losses."""
+    root = tmp_path / "signals"
+    for node in ("node0", "node1", "node2"):
+        mc = root / node / "sys/devices/system/edac/mc/mc0"
+        mc.mkdir(parents=True)
+        (mc / "ce_count").write_text("0\n")
+        (mc / "ue_count").write_text("0\n")
+    monkeypatch.setenv("TRAINGUARD_SIGNALS_ROOT", str(root / "{node}"))
+    run = tmp_path / "run"
+    # rank 0 sleeps (losses unchanged): the job outlasts the agent's 2 s counter reads
+    slow = ["--inject", "slow:rank=0:factor=6"]
+    proc = start_job(run, ["--nodes", "2", "--standby", "1", *slow], ARGS)
+    try:
+        wait_for(lambda: reached_step(run, 15), 180, "step 15")
+        (root / "node1/sys/devices/system/edac/mc/mc0/ce_count").write_text("57\n")
+        code, err = finish_job(proc, timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert code == 0, err[-3000:]
+    assert losses(run) == reference2
+    evs = events(run)
+    (risk,) = [e for e in evs if e["kind"] == "node_at_risk"]
+    assert risk["node"] == "node1" and risk["reason"].startswith("edac_ce: 57 corrected errors")
+    assert risk["action"].startswith("drain"), risk
+    assert not [e for e in evs if e["kind"] == "fault"]
+    starts = [e for e in evs if e["kind"] == "generation_started"]
+    assert len(starts) == 2 and starts[1]["assignment"] == {"node0": 0, "node2": 1}, starts
+    # No step lost: the drained generation's last snapshot is where the next one starts.
+    (planned,) = [e for e in evs if e["kind"] == "planned_stop"]
+    assert planned["steps_lost"] <= 0 and starts[1]["restore_step"] == planned["saved_step"]
+    rep = report(run)
+    assert rep["faults"] == [] and rep["recoveries"] == [], rep
+    assert rep["at_risk"] == [{k: risk[k] for k in ("node", "reason", "action")}]

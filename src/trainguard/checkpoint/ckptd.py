@@ -220,7 +220,7 @@ class Ckptd:
             index = self.persister.memory_index()
             return {
                 "memory": {str(r): v for r, v in index.items()},
-                "fingerprints": {str(r): v for r, v in self.persister.fingerprints(index).items()},
+                "fingerprints": {str(r): v for r, v in self.persister.fingerprints().items()},
                 "events": events,
                 "idle": self.persister.idle(),
                 "replica_addr": self.replicas.addr if self.replicas else None,

@@ -78,6 +78,9 @@ def describe_write_error(e: BaseException, directory: Path, needed: int) -> str:
     return first[:300]
 
 
+FINGERPRINTS_KEPT = 8  # per rank, in ckptd's status (a report every few snapshots)
+
+
 class _CrcWriter(io.RawIOBase):
     """A file opened for writing that keeps the CRC-32C and size of what went through it."""
 
@@ -280,8 +283,10 @@ class Persister:
         ] = {}  # rank → [(slot, step, gen, durable)]
         self._commits: list[tuple[int, int, int]] = []  # (step, generation, world size)
         self._verified: dict[int, dict[str, tuple[int, int]]] = {}  # rank → slot path → (step, gen)
-        # (rank, step, gen) → [layout, value] of verified snapshots (fingerprint.py)
-        self._fps: dict[tuple[int, int, int], list[int]] = {}
+        # rank → (step, gen) → [layout, value] of its newest FINGERPRINTS_KEPT verified
+        # snapshots (fingerprint.py): facts that outlive the slot, so a report that comes
+        # after a slot was reused still carries them
+        self._fps: dict[int, dict[tuple[int, int], list[int]]] = {}
         self._closed = False
         self._busy = 0
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
@@ -323,19 +328,17 @@ class Persister:
                     self._verified.get(rank, {}).pop(path, None)
         return {r: sorted(v) for r, v in out.items()}
 
-    def fingerprints(self, index: dict[int, list[tuple[int, int]]]) -> dict[int, list[list[int]]]:
-        """rank → [step, generation, layout, value] of the snapshots in ``index`` (a
-        ``memory_index()``) that hold replicated state (``fingerprint.py``); the others are
-        forgotten (bounded: two slots per rank)."""
-        held = {(r, st, g) for r, v in index.items() for st, g in v}
+    def fingerprints(self) -> dict[int, list[list[int]]]:
+        """rank → [step, generation, layout, value] of its newest verified snapshots that
+        hold replicated state (``fingerprint.py``), FINGERPRINTS_KEPT per rank at most."""
         with self._cv:
-            for k in [k for k in self._fps if k not in held]:
-                del self._fps[k]
-            fps = dict(self._fps)
-        out: dict[int, list[list[int]]] = {}
-        for (rank, step, gen), fp in sorted(fps.items()):
-            out.setdefault(rank, []).append([step, gen, *fp])
-        return out
+            return {
+                r: [
+                    [st, g, *fp]
+                    for (st, g), fp in sorted(v.items(), key=lambda x: (x[0][1], x[0][0]))
+                ]
+                for r, v in self._fps.items()
+            }
 
     def _remember(
         self, rank: int, step: int, gen: int, h: dict[str, Any], sums: Any
@@ -343,7 +346,10 @@ class Persister:
         fp = fingerprint.fingerprint(h, sums, rank)
         if fp is not None:
             with self._cv:
-                self._fps[(rank, step, gen)] = fp
+                mine = self._fps.setdefault(rank, {})
+                mine[(step, gen)] = fp
+                for k in sorted(mine, key=lambda p: (p[1], p[0]))[:-FINGERPRINTS_KEPT]:
+                    del mine[k]
         return fp
 
     def adopt(self, rank: int, slot: Path) -> str | None:

@@ -310,13 +310,16 @@ def planned_restart(
     s.growing = False
     spare = healthy_standby(s, obs, now, cfg)
     if s.evict:
+        replaced = []
         for node, why in sorted(s.evict.items()):
             if node in s.assignment and spare:
                 rank = s.assignment.pop(node)
                 mark_faulty(s, node, now, cfg, events, why)
                 s.assignment[spare.pop(0)] = rank
+                replaced.append(f"{node} ({why})")
         s.evict = {}
-        start_generation(s, obs, cfg, now, events, durable, "replaced a straggler node")
+        why = "replaced " + "; ".join(replaced) if replaced else "no standby to replace with"
+        start_generation(s, obs, cfg, now, events, durable, why)
         return
     joining = spare[: cfg.nodes - len(s.assignment)]
     before = len(s.assignment)

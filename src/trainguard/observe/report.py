@@ -27,6 +27,29 @@ PHASES = RECOVERY_PHASES
 ONE_SHOT = ("kill", "exit", "hang", "node-down", "hang-collective")  # drills that report firing
 
 
+def _sdc(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each silent data corruption: where it was seen, the culprits, the last agreeing step,
+    the point the next generation restored and the steps it recomputed."""
+    out = []
+    for i, e in enumerate(events):
+        if e["kind"] != "sdc_detected":
+            continue
+        nxt = next((x for x in events[i:] if x["kind"] == "generation_started"), None)
+        back = nxt["restore_step"] if nxt is not None else None
+        out.append(
+            {
+                "generation": e["generation"],
+                "step": e["step"],
+                "culprits": e["culprits"],
+                "nodes": e["nodes"],
+                "last_agreed": (e.get("last_agreed") or [None])[0],
+                "rollback_to": back,
+                "steps_recomputed": e["step"] - (back or 0) if nxt is not None else None,
+            }
+        )
+    return out
+
+
 def build_report(run_dir: Path) -> dict[str, Any]:
     """The report as a dict (the ``--json`` output). Raises FileNotFoundError for a non-run dir."""
     db = open_readonly(run_dir)
@@ -172,6 +195,12 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             if e["kind"] == "planned_stop"
         ],
         "alerts": alerts,
+        "sdc": _sdc(events),
+        "at_risk": [
+            {k: e.get(k) for k in ("node", "reason", "action")}
+            for e in events
+            if e["kind"] == "node_at_risk"
+        ],
         "recoveries": [
             {
                 "fault": r["fault"]["cause"],
@@ -232,6 +261,16 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         )
     for d in rep["drills"]:
         con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
+    for x in rep["sdc"]:
+        who = f"rank(s) {x['culprits']} on {x['nodes']}" if x["culprits"] else "not localized"
+        con.print(
+            styled(("silent data corruption: ", "red"),
+                   f"generation {x['generation']}, detected at step {x['step']} ({who}); last "
+                   f"agreeing step {x['last_agreed']}, rolled back to {x['rollback_to']}, "
+                   f"{x['steps_recomputed']} step(s) recomputed")
+        )  # fmt: skip
+    for r in rep["at_risk"]:
+        con.print(styled(("at risk: ", "yellow"), f"{r['node']}: {r['reason']} ({r['action']})"))
     for line in rep["unseen"]:
         con.print(styled(("not seen: ", "yellow"), line))
     _print_preflight(con, rep)
