@@ -171,3 +171,33 @@ def test_the_drill_flips_one_bit_of_a_live_parameter() -> None:
     flipped = (m.weight.detach().view(torch.int32) ^ before.view(torch.int32)).flatten()
     assert flipped.tolist() == [8, 0, 0, 0]  # exactly bit 3 of element 0, in the live tensor
     json.dumps(got)
+
+
+def test_counters_that_predict_a_failure_flag_a_node_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainguard.controller.risk import RiskConfig, RiskWatch
+    from trainguard.health.signals import read_signals
+
+    mc = tmp_path / "n1/sys/devices/system/edac/mc"
+    for i, (ce, ue) in enumerate(((3, 0), (4, 0))):
+        (mc / f"mc{i}").mkdir(parents=True)
+        (mc / f"mc{i}/ce_count").write_text(f"{ce}\n")
+        (mc / f"mc{i}/ue_count").write_text(f"{ue}\n")
+    monkeypatch.setenv("TRAINGUARD_SIGNALS_ROOT", str(tmp_path / "{node}"))
+    assert read_signals("n1") == {"edac_ce": 7.0, "edac_ue": 0.0}  # summed over controllers
+    assert read_signals("absent") == {}  # no source: nothing, no error
+    w = RiskWatch(RiskConfig(ce_delta=10, window_s=600))
+    assert w.observe("n1", 0.0, {"edac_ce": 7, "edac_ue": 0}) is None
+    assert w.observe("n1", 100.0, {"edac_ce": 16, "edac_ue": 0}) is None  # +9: under 10
+    why = w.observe("n1", 200.0, {"edac_ce": 17, "edac_ue": 0})
+    assert why is not None and why.startswith("edac_ce: 10 corrected errors in 200s")
+    assert w.observe("n1", 210.0, {"edac_ce": 17, "edac_ue": 0}) is None  # flagged once
+    assert w.observe("n1", 220.0, {"edac_ce": 17, "edac_ue": 1}) == "edac_ue rose from 0 to 1"
+    # Old corrected errors leave the window: a slow trickle is not a trend.
+    slow = RiskWatch(RiskConfig(ce_delta=10, window_s=600))
+    flagged = [slow.observe("n", t * 120.0, {"edac_ce": t}) for t in range(40)]
+    assert flagged == [None] * 40
+    hot = RiskWatch(RiskConfig(temp_margin_c=5))
+    assert hot.observe("g", 0.0, {"gpu_temp_c": 80, "gpu_temp_slowdown_c": 90}) is None
+    assert hot.observe("g", 1.0, {"gpu_temp_c": 86, "gpu_temp_slowdown_c": 90}) is not None

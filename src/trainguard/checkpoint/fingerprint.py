@@ -33,6 +33,7 @@ import crc32c
 
 from trainguard.checkpoint.api import own_key
 
+ENV_OFF = "TRAINGUARD_NO_FINGERPRINTS"  # "1": ckptd computes none (the benchmark's A/B)
 PART_FILE = "fingerprint.json"  # in each rank's part of a durable step: {"layout", "value"}
 MIN_MAJORITY_GROUP = 3  # replicas needed to name a culprit by majority
 

@@ -170,15 +170,7 @@ class Runtime:
         for spec in self._injects:
             if spec.kind == "sdc" and spec.step is not None and spec.step <= step:
                 self._injects = [s for s in self._injects if s is not spec]
-                self._send_now(
-                    {
-                        "t": "event",
-                        "kind": "inject_fired",
-                        "ts": time.time(),
-                        "inject": spec.to_json(),
-                        "step": step,
-                    }
-                )
+                self._fired(spec, step)
                 return spec
         return None
 
@@ -247,6 +239,19 @@ class Runtime:
             message.update(rank=self.rank, pid=os.getpid(), gen=self.generation)
             self._sock.sendto(wire.encode(self._token, message), self._agent)
 
+    def _fired(self, spec: InjectSpec, step: int) -> None:
+        """Tell the agent ``spec`` fires at ``step``. Delivered synchronously: on loopback the
+        datagram sits in the agent's socket buffer before the fault happens."""
+        self._send_now(
+            {
+                "t": "event",
+                "kind": "inject_fired",
+                "ts": time.time(),
+                "inject": spec.to_json(),
+                "step": step,
+            }
+        )
+
     def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
         if spec.kind == "sdc":
             return  # fired by the Checkpointer at a save (sdc_drill)
@@ -261,17 +266,7 @@ class Runtime:
             return
         if spec.step != step:
             return
-        # Delivered synchronously: on loopback the datagram sits in the agent's socket
-        # buffer before the fault below happens, so the agent learns it fired.
-        self._send_now(
-            {
-                "t": "event",
-                "kind": "inject_fired",
-                "ts": time.time(),
-                "inject": spec.to_json(),
-                "step": step,
-            }
-        )
+        self._fired(spec, step)
         sys.stdout.flush()
         sys.stderr.flush()
         if spec.kind == "kill":
