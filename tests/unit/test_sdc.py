@@ -101,7 +101,7 @@ def test_a_minority_replica_is_a_fault_its_node_quarantined_and_newer_points_sus
     assert new.pools["node0"] == Pool.FAULTY and new.fp_agreed == [20, 0]
     detected = next(d for k, d in events if k == "sdc_detected")
     assert detected["culprits"] == [1] and detected["last_agreed"] == [20, 0]
-    assert new.suspect == [[20, 0]]
+    assert new.suspect == [[20, 0, 25]]
     assert suspect(new, (25, 0)) and suspect(new, (21, 0)) and not suspect(new, (20, 0))
     assert not suspect(new, (25, 1))  # a later generation re-ran from a good point
     assert not decide(s, obs, 1000.0, cfg(sdc_check=False), [], points)[0].recovery
@@ -129,12 +129,18 @@ def test_ranks_that_differ_at_the_first_comparison_turn_the_check_off(first: dic
 
 
 def test_restore_skips_suspect_points_but_not_ones_known_to_agree() -> None:
-    s = JobState(assignment={"n": 0}, suspect=[[20, 0]])
+    # last agreed in memory 15, the disagreement seen at 30
+    s = JobState(assignment={"n": 0}, suspect=[[15, 0, 30]])
     c = cfg(nodes=1, nproc_per_node=1, standby=0)
-    durable = [(15, 0), (20, 0), (25, 0), (30, 0)]
-    assert restore_point(s, {}, c, durable)[0] == (20, 0)
-    s2, _ = decide(s, {}, 1.0, c, [], Inputs(agreed=[(30, 0)]))  # its parts' fingerprints agree
-    assert restore_point(s2, {}, c, durable)[0] == (30, 0)
+    durable = [(15, 0), (20, 0), (25, 0), (30, 0), (35, 0)]
+    assert restore_point(s, {}, c, durable)[0] == (15, 0)
+    # durable 25's parts agree (its fingerprints had not reached the controller in memory)
+    s2, _ = decide(s, {}, 1.0, c, [], Inputs(agreed=[(25, 0)]))
+    assert restore_point(s2, {}, c, durable)[0] == (25, 0)
+    # 35 agrees again (the flipped bit rounded away) but comes after the disagreement: the
+    # corruption may have reached every replica through the gradients, so it stays suspect
+    s3, _ = decide(s2, {}, 1.0, c, [], Inputs(agreed=[(35, 0)]))
+    assert restore_point(s3, {}, c, durable)[0] == (25, 0)
 
 
 def _durable_step(root: Path, step: int, values: list[int]) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ import crc32c
 
 from trainguard.checkpoint.api import own_key
 
-ENV_OFF = "TRAINGUARD_NO_FINGERPRINTS"  # "1": ckptd computes none (the benchmark's A/B)
+# "B": ckptd computes no fingerprint in every other block of B steps (benchmarks/sdc.py)
+ENV_AB = "TRAINGUARD_FINGERPRINT_AB"
 PART_FILE = "fingerprint.json"  # in each rank's part of a durable step: {"layout", "value"}
 MIN_MAJORITY_GROUP = 3  # replicas needed to name a culprit by majority
 
@@ -70,6 +72,13 @@ def fingerprint(header: dict[str, Any], sums: dict[str, list[int]], rank: int) -
         for piece in sums.get(key, []):
             value = crc32c.crc32c(int(piece).to_bytes(4, "little"), value)
     return [layout, value]
+
+
+def ab_off(step: int) -> bool:
+    """Whether ``step`` falls in a block without fingerprints under ``ENV_AB`` (blocks offset
+    by half a block, as ``--ckpt-ab``'s, so that a block's first step is dropped cleanly)."""
+    block = int(os.environ.get(ENV_AB, "0") or 0)
+    return block > 0 and (step - 1 + block // 2) // block % 2 == 1
 
 
 def compare(fps: dict[int, tuple[int, int]]) -> tuple[list[int], list[int]]:

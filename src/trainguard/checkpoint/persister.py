@@ -343,7 +343,7 @@ class Persister:
     def _remember(
         self, rank: int, step: int, gen: int, h: dict[str, Any], sums: Any
     ) -> list[int] | None:
-        if os.environ.get(fingerprint.ENV_OFF) == "1":  # A/B (benchmarks/sdc.py)
+        if fingerprint.ab_off(step):  # blocks without, for benchmarks/sdc.py's A/B
             return None
         fp = fingerprint.fingerprint(h, sums, rank)
         if fp is not None:

@@ -82,8 +82,9 @@ class JobState:
     check_problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # Silent data corruption (controller/sdc.py). The newest [step, generation] whose
     # snapshot fingerprints were compared, and the newest that agreed (the last known-good
-    # point); ``suspect``: [after_step, up_to_generation] ranges of points an SDC may have
-    # reached (step > after_step, generation <= up_to_generation), never restored; ``sdc_off``:
+    # point); ``suspect``: [after_step, up_to_generation, detected_step] ranges of points an
+    # SDC may have reached (step > after_step, generation <= up_to_generation), never
+    # restored unless known to agree and older than detected_step; ``sdc_off``:
     # the ranks' fingerprints differed from the first comparison on (not replicas).
     fp_checked: list[int] | None = None
     fp_agreed: list[int] | None = None
@@ -110,9 +111,14 @@ def suspect(s: JobState, point: tuple[int, int]) -> bool:
     """Whether a silent data corruption may have reached ``point`` (step, generation)
     (``JobState.suspect``, controller/sdc.py): such a point is never restored."""
     step, gen = point
-    if [step, gen] in s.fp_good:
-        return False
-    return any(step > after and gen <= upto for after, upto in s.suspect)
+    good = [step, gen] in s.fp_good
+    for after, upto, *bad in s.suspect:
+        # A point that agrees counts as good only before the step the disagreement was seen
+        # at: after it, replicas can agree again (the flipped bit rounded away) while the
+        # corruption already reached every replica through the all-reduced gradients.
+        if step > after and gen <= upto and not (good and bad and step < bad[0]):
+            return True
+    return False
 
 
 def goto(s: JobState, phase: Phase, now: float, events: list[Event], reason: str) -> None:

@@ -90,7 +90,7 @@ def _fault(
     gen = s.generation
     good = s.fp_agreed
     after = good[0] if good is not None else (s.restore_step if s.restore_step is not None else -1)
-    s.suspect.append([after, gen])
+    s.suspect.append([after, gen, step])
     by_rank = {r * cfg.nproc_per_node + i: n for n, r in s.assignment.items()
                for i in range(cfg.nproc_per_node)}  # fmt: skip
     nodes = sorted({by_rank[r] for r in culprits if r in by_rank})
