@@ -104,7 +104,7 @@ def overhead(tmp: Path, steps: int, every: int, block: int) -> dict[str, Any]:
     step_overhead.py); the first step of a block and the first two blocks are dropped."""
     script = [*SMALL, "--steps", str(steps), "--ckpt-every", str(every),
               "--durable-every", str(10 * block)]  # fmt: skip
-    run = _run(tmp, "ab", FOUR, script, {"TRAINGUARD_FINGERPRINT_AB": str(block)})
+    run = _run(tmp, f"ab{every}", FOUR, script, {"TRAINGUARD_FINGERPRINT_AB": str(block)})
     blocks: dict[int, list[float]] = {}
     for step, dur in step_times(run):
         b, pos = divmod(step - 1 + block // 2, block)

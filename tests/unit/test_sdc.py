@@ -159,7 +159,17 @@ def test_retention_keeps_the_newest_agreeing_step_while_newer_ones_differ(tmp_pa
         storage.prune(root, 2)
     assert storage.list_committed(root) == [20, 30, 40]  # 20 is the rollback target
     assert fingerprint.durable_verdict(storage.step_dir(root, 30)) is False
-    _durable_step(root, 50, [5, 5, 5])  # a good step again: normal retention
+    _durable_step(root, 50, [5, 5, 5])  # agrees again (a low bit rounded away): still after
+    storage.prune(root, 2)  # the first differing step, 20 stays the target
+    assert storage.list_committed(root) == [20, 40, 50]
+    # A later generation re-commits the corrupt steps (a rollback re-ran them): normal again.
+    for step in (30, 40):
+        tmp = storage.tmp_dir(root, step, 1)
+        for rank in range(3):
+            (tmp / f"rank_{rank}").mkdir(parents=True)
+            fingerprint.write_part(tmp / f"rank_{rank}", [7, step])
+        (tmp / DCP_METADATA).write_bytes(b"x")
+        storage.commit(tmp, root, step, generation=1)
     storage.prune(root, 2)
     assert storage.list_committed(root) == [40, 50]
 

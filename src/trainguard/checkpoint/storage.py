@@ -188,19 +188,23 @@ def prune(
     those of steps not newer than ``committed_step`` or of generations older than ``generation``.
 
     The newest committed step is never deleted (``keep`` >= 1 is enforced), and an older
-    step is deleted only after a newer one is committed. Nor is the newest step whose ranks'
-    fingerprints do not differ (``fingerprint.durable_verdict``) while newer ones differ: a
-    silent data corruption's rollback target outlives the steps written after it. Returns the
+    step is deleted only after a newer one is committed. Nor is the newest step before the
+    first whose ranks' fingerprints differ (``fingerprint.durable_verdict``): a silent data
+    corruption's rollback target outlives the steps written after it. Returns the
     deleted steps.
     """
     keep = max(1, keep)
     steps = list_committed(root)
     doomed = steps[:-keep] if len(steps) > keep else []
     if doomed:
-        # a step with nothing to compare counts as good: retention as without fingerprints
+        # The rollback target: the newest step before the first one whose ranks differ (a
+        # step with nothing to compare counts as good). Steps after the first differing one
+        # may agree again, a flipped low bit rounded away, and still be corrupt.
         verdicts = [(st, fingerprint.durable_verdict(step_dir(root, st))) for st in steps]
-        good = next((st for st, ok in reversed(verdicts) if ok is not False), None)
-        doomed = [st for st in doomed if st != good]
+        bad = next((st for st, ok in verdicts if ok is False), None)
+        if bad is not None:
+            good = max((st for st, ok in verdicts if ok is not False and st < bad), default=None)
+            doomed = [st for st in doomed if st != good]
     for step in doomed:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     for path in root.glob(".tmp-step_*"):
