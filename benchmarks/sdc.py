@@ -33,10 +33,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_overhead import step_times  # noqa: E402  (rank 0's step records of a run)
+from straggler import GPT, SMALL  # noqa: E402  (the example and its small model)
 
-GPT = ROOT / "examples" / "gpt" / "train.py"
-SMALL = ["--n-embd", "32", "--n-layer", "1", "--n-head", "2", "--block-size", "32",
-         "--batch-size", "4", "--data-max-bytes", "200000"]  # fmt: skip
 CONFIG = 'preflight = "off"\nheartbeat_s = 0.2\nnode_timeout_s = 3.0\nfault_stop_grace_s = 0.1\n'
 FOUR = ["--nodes", "2", "--nproc-per-node", "2"]
 BITS = {"exponent (bit 30)": 30, "high mantissa (bit 22)": 22, "low mantissa (bit 0)": 0}
