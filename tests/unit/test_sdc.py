@@ -143,13 +143,13 @@ def test_restore_skips_suspect_points_but_not_ones_known_to_agree() -> None:
     assert restore_point(s3, {}, c, durable)[0] == (25, 0)
 
 
-def _durable_step(root: Path, step: int, values: list[int]) -> None:
-    tmp = storage.tmp_dir(root, step, 0)
+def _durable_step(root: Path, step: int, values: list[int], gen: int = 0) -> None:
+    tmp = storage.tmp_dir(root, step, gen)
     for rank, v in enumerate(values):
         (tmp / f"rank_{rank}").mkdir(parents=True)
         fingerprint.write_part(tmp / f"rank_{rank}", [7, v])
     (tmp / DCP_METADATA).write_bytes(b"x")
-    storage.commit(tmp, root, step)
+    storage.commit(tmp, root, step, generation=gen)
 
 
 def test_retention_keeps_the_newest_agreeing_step_while_newer_ones_differ(tmp_path: Path) -> None:
@@ -164,12 +164,7 @@ def test_retention_keeps_the_newest_agreeing_step_while_newer_ones_differ(tmp_pa
     assert storage.list_committed(root) == [20, 40, 50]
     # A later generation re-commits the corrupt steps (a rollback re-ran them): normal again.
     for step in (30, 40):
-        tmp = storage.tmp_dir(root, step, 1)
-        for rank in range(3):
-            (tmp / f"rank_{rank}").mkdir(parents=True)
-            fingerprint.write_part(tmp / f"rank_{rank}", [7, step])
-        (tmp / DCP_METADATA).write_bytes(b"x")
-        storage.commit(tmp, root, step, generation=1)
+        _durable_step(root, step, [step] * 3, gen=1)
     storage.prune(root, 2)
     assert storage.list_committed(root) == [40, 50]
 

@@ -81,12 +81,11 @@ class JobState:
     checked_at: dict[str, float] = dataclasses.field(default_factory=dict)
     check_problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # Silent data corruption (controller/sdc.py). The newest [step, generation] whose
-    # snapshot fingerprints were compared, and the newest that agreed (the last known-good
-    # point); ``suspect``: [after_step, up_to_generation, detected_step] ranges of points an
-    # SDC may have reached (step > after_step, generation <= up_to_generation), never
-    # restored unless known to agree and older than detected_step; ``sdc_off``:
-    # the ranks' fingerprints differed from the first comparison on (not replicas).
-    fp_checked: list[int] | None = None
+    # snapshot fingerprints agreed (the last known-good point); ``suspect``: [after_step,
+    # up_to_generation, detected_step] ranges of points an SDC may have reached (step >
+    # after_step, generation <= up_to_generation), never restored unless known to agree and
+    # older than detected_step; ``sdc_off``: the ranks' fingerprints differed at the job's
+    # first comparison (not replicas).
     fp_agreed: list[int] | None = None
     # [step, generation] points whose ranks' fingerprints were seen to agree (in memory, or in
     # a durable step's parts): never suspect, whatever range holds them; the newest FP_GOOD_KEPT

@@ -47,7 +47,6 @@ def check_fingerprints(
     for step, gen, fps in sorted(points):
         if gen != s.generation:
             continue
-        s.fp_checked = [step, gen]
         culprits, undecided = compare(fps)
         if not culprits and not undecided:
             s.fp_agreed = [step, gen]
