@@ -50,7 +50,10 @@ fault_stop_grace_s = 0.1
 stop_grace_s = 10.0
 recheck_s = 1.0
 preflight = "off"
+probe_every_s = 0
 """
+# (probe_every_s = 0: no in-job GEMM probe process beside each test's workers, a torch import
+# per node and generation; tests/integration/test_sdc.py turns it on where it is the subject.)
 # The same with pre-flight checks on (tests of the pre-flight itself).
 PREFLIGHT_CONFIG = FAST_CONFIG.replace('preflight = "off"', 'preflight = "quick"')
 

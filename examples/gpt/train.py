@@ -140,6 +140,16 @@ class TrainState(Stateful):
         self.step = int(sd["step"])
 
 
+def _total_norm(model: torch.nn.Module) -> float:
+    """The 2-norm of all gradients (a DTensor's: of the whole tensor, all shards)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    full = getattr(norm, "full_tensor", None)
+    return float((full() if full is not None else norm).item())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -248,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                 dist.all_reduce(flags)
         mean_loss = flags[0].item() / shards
         with rt.section("optimizer"):
+            # The total gradient norm, as clip_grad_norm_ would return it (clipping left to
+            # taste): trainguard watches it for corrupt gradients that every replica shares.
+            grad_norm = _total_norm(model)
             if math.isfinite(mean_loss):  # every rank sees the same mean: all skip together
                 optim.step()
         train.step = step
-        rt.step_end(step, loss=mean_loss, tokens=tokens)
+        rt.step_end(step, loss=mean_loss, tokens=tokens, grad_norm=grad_norm)
         if metrics is not None:
             metrics.write(json.dumps({"step": step, "loss": mean_loss, "time": time.time()}) + "\n")
             metrics.flush()

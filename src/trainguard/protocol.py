@@ -221,6 +221,7 @@ class Run:
     node_timeout_s: float
     replica_peers: list[str]
     replica_sources: dict[str, str]
+    probe_every_s: float = 0.0  # in-job known-answer GEMM probe period (agent/probe.py); 0: off
 
 
 Desired = Run | Stop | Idle | Check | Shutdown

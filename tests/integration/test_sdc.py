@@ -2,7 +2,9 @@
 one rank (``--inject sdc``) crashes nothing; the replicas' snapshot fingerprints differ at
 the next snapshot, the culprit is named (majority of 4) or the corruption is certain but not
 localized (2 replicas), the job rolls back to the last agreeing step, and its losses equal a
-fault-free run's, step for step."""
+fault-free run's, step for step. Corruption that reaches every replica alike through the
+all-reduce (a flipped gradient bit, a node whose GEMMs went wrong) leaves the fingerprints in
+agreement: the gradient norm and the in-job GEMM probe catch those."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    FAST_CONFIG,
     TINY,
     events,
     fault_free_losses,
@@ -94,13 +97,17 @@ def test_two_replicas_that_disagree_roll_back_without_naming_a_culprit(
     tmp_path: Path, reference2: dict[int, float]
 ) -> None:
     """With 2 replicas no majority names the culprit: the job rolls back (nobody is
-    quarantined) and still ends with the fault-free losses."""
+    quarantined) and still ends with the fault-free losses. The flipped bit is in the
+    optimizer's state (an Adam moment): the snapshot holds it, so the fingerprints see it."""
     run = tmp_path / "run"
-    proc = start_job(run, ["--nodes", "2", "--inject", "sdc:rank=1:step=30:bit=20"], ARGS)
+    flip = "sdc:rank=1:step=30:target=optimizer:bit=20"
+    proc = start_job(run, ["--nodes", "2", "--inject", flip], ARGS)
     code, err = finish_job(proc, timeout=300)
     assert code == 0, err[-3000:]
     assert losses(run) == reference2
     evs = events(run)
+    (injected,) = [e for e in evs if e["kind"] == "sdc_injected"]
+    assert injected["target"] == "optimizer" and "exp_avg" in injected["key"], injected
     (detected,) = [e for e in evs if e["kind"] == "sdc_detected"]
     assert detected["step"] == 30 and detected["culprits"] == [] and detected["undecided"] == [0, 1]
     assert detected["last_agreed"][0] in (15, 20, 25), detected
@@ -149,3 +156,76 @@ def test_a_node_whose_corrected_errors_climb_is_drained_with_no_lost_step(
     rep = report(run)
     assert rep["faults"] == [] and rep["recoveries"] == [], rep
     assert rep["at_risk"] == [{k: risk[k] for k in ("node", "reason", "action")}]
+
+
+# Steps ~5x longer (a sleep on rank 0; the losses do not change): the controller hears of a
+# sign within a step or two, before retention has dropped the checkpoints before it.
+PACE = ["--inject", "slow:rank=0:factor=5"]
+
+
+def test_a_flipped_gradient_bit_before_the_all_reduce_is_caught_by_the_gradient_norm(
+    tmp_path: Path, reference2: dict[int, float]
+) -> None:
+    """Every replica applies the same corrupt average, so their fingerprints agree; the
+    gradient norm (the example reports it) does not. The job rolls back to a checkpoint
+    before the step, recomputes it (clean now: the drill fires once) and loses nothing."""
+    run = tmp_path / "run"
+    flip = ["--inject", "sdc:rank=1:step=33:target=grad:bit=30"]
+    proc = start_job(run, ["--nodes", "2", *flip, *PACE], ARGS)
+    code, err = finish_job(proc, timeout=300)
+    assert code == 0, err[-3000:]
+    assert losses(run) == reference2
+    evs = events(run)
+    (injected,) = [e for e in evs if e["kind"] == "sdc_injected"]
+    assert injected["target"] == "grad" and injected["step"] == 33 and injected["rank"] == 1
+    (spike,) = [e for e in evs if e["kind"] == "grad_norm_spike"]
+    assert spike["step"] == 33, spike
+    (detected,) = [e for e in evs if e["kind"] == "sdc_detected"]
+    assert detected["signal"] == "grad_norm" and detected["step"] == 33, detected
+    assert detected["suspect_after"] == 32 and detected["nodes"] == []
+    assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
+    starts = [e for e in evs if e["kind"] == "generation_started"]
+    assert len(starts) == 2 and starts[1]["restore_step"] in (25, 30), starts[1]
+    assert not _suspect_restores(evs, detected)
+    (sdc,) = report(run)["sdc"]
+    assert sdc["signal"] == "grad_norm" and sdc["rollback_to"] == starts[1]["restore_step"]
+
+
+def test_a_node_whose_gemms_go_wrong_in_training_is_named_by_its_probe_and_replaced(
+    tmp_path: Path, reference2: dict[int, float]
+) -> None:
+    """node1 passes its pre-flight, then from step 40 every matrix product it computes is off
+    in one element (its workers' and its probe's). The corrupt local gradients are averaged
+    into both replicas alike (the fingerprints agree); node1's in-job known-answer probe
+    fails, node1 is quarantined, the standby takes its rank, and the job restarts from a
+    point before node1's last passing probe: the same losses as a run without the fault."""
+    run = tmp_path / "run"
+    probing = FAST_CONFIG.replace("probe_every_s = 0", "probe_every_s = 0.5")
+    wrong = ["--inject", "gemm-wrong:node=1:step=40"]
+    slow = ["--inject", "slow:rank=0:factor=8"]  # the probe process is up well before step 40
+    proc = start_job(run, ["--nodes", "2", "--standby", "1", *wrong, *slow], ARGS, config=probing)
+    code, err = finish_job(proc, timeout=300)
+    assert code == 0, err[-3000:]
+    assert losses(run) == reference2
+    evs = events(run)
+    fired = [e for e in evs if e["kind"] == "inject_fired" and e["inject"]["kind"] == "gemm-wrong"]
+    # At the end of step 39 (the step completed, as every drill's event says): 40 on is wrong.
+    assert fired and fired[0]["node"] == "node1" and fired[0]["step"] == 39, fired
+    (detected,) = [e for e in evs if e["kind"] == "sdc_detected"]
+    assert detected["signal"] == "gemm_probe" and detected["nodes"] == ["node1"], detected
+    assert detected["step"] >= 40 and detected["suspect_after"] < 40, detected
+    (fault,) = [e for e in evs if e["kind"] == "fault"]
+    assert fault["cause"] == "sdc" and fault["node_id"] == "node1"
+    quarantined = [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
+    assert [e["node"] for e in quarantined] == ["node1"], quarantined
+    starts = [e for e in evs if e["kind"] == "generation_started"]
+    assert starts[1]["assignment"] == {"node0": 0, "node2": 1}, starts[1]
+    back = starts[1]["restore_step"]
+    assert back is None or back <= detected["suspect_after"], (back, detected)
+    assert not _suspect_restores(evs, detected)
+    (sdc,) = report(run)["sdc"]
+    assert sdc["signal"] == "gemm_probe" and sdc["nodes"] == ["node1"]
+    print(
+        f"probe: last pass after step {detected['suspect_after']}, failed at step "
+        f"{detected['step']}; restarted from {back}"
+    )

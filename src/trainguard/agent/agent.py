@@ -39,6 +39,7 @@ from trainguard.agent.checks import CheckRunner
 from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
 from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
+from trainguard.agent.probe import GemmProbe
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
 from trainguard.health.signals import read_signals
@@ -146,6 +147,8 @@ class Agent:
         self.launcher = launcher or ProcessLauncher(spare_env, self._spare_log)
         self.group = WorkerGroup(self.launcher, self._event)
         self.checks = CheckRunner(cfg.run_dir, cfg.node_id, cfg.controller.rsplit(":", 1)[0])
+        self._gemm_wrong = False  # the gemm-wrong drill fired here: this node's GEMMs are bad
+        self.probe = GemmProbe(self._probe_context, self._base_env())
 
     @property
     def generation(self) -> int | None:
@@ -161,6 +164,7 @@ class Agent:
         """Stop the workers, kill the spares, close sockets and files (``run`` does this on
         its way out; for an agent driven by ``loop_once``)."""
         self._stop_workers(grace_s=1.0)
+        self.probe.close()
         self.launcher.close()
         self._link.close()
         self._sock.close()
@@ -246,7 +250,28 @@ class Agent:
         now = time.monotonic()
         if now - self._signals_mono >= SIGNALS_S:  # NVML calls: not on every heartbeat
             self._signals, self._signals_mono = read_signals(self.cfg.node_id), now
-        return {"ok": ok, "problems": problems, "signals": self._signals}
+        out = {"ok": ok, "problems": problems, "signals": self._signals}
+        probe = self.probe.latest
+        if probe is not None:
+            out["probe"] = probe
+        return out
+
+    def _probe_context(self) -> tuple[int, int, bool] | None:
+        """(generation, newest step its ranks here finished or the restore step before the
+        first, gemm-wrong fired) while workers of a generation run here; None otherwise (the
+        GEMM probe waits). Probe thread."""
+        d, gen = self._run_desired, self.generation
+        try:
+            steps = [w.step for w in list(self.workers.values()) if w.step is not None]
+        except RuntimeError:  # the reconcile loop changed the group meanwhile: next time
+            return None
+        if d is None or gen is None or d.generation != gen:
+            return None
+        step = max(steps) if steps else (d.restore_step or 0)  # before its first step
+        for spec in d.injects:  # the drill: this node's GEMMs go wrong from step S on
+            if spec.get("kind") == "gemm-wrong" and f"node{spec.get('node')}" == self.cfg.node_id:
+                self._gemm_wrong |= step + 1 >= int(spec.get("step") or 0)
+        return gen, step, self._gemm_wrong
 
     def _fence(self) -> None:
         """Cut off from the controller for longer than it waits before declaring this node lost:
@@ -336,6 +361,7 @@ class Agent:
     def _start_generation(self, d: Run) -> None:
         gen = d.generation
         self._run_desired, self._hang = d, False
+        self.probe.set_period(d.probe_every_s)
         ranks = []
         for local_rank in range(d.nproc_per_node):
             env = self._worker_env(d, local_rank)
@@ -386,7 +412,8 @@ class Agent:
     def _stop_workers(self, *, grace_s: float) -> None:
         had = bool(self.workers)
         ckptd = self.ckptd.pid
-        self.group.stop(grace_s=grace_s, keep=set() if ckptd is None else {ckptd})
+        keep = {p for p in (ckptd, self.probe.pid) if p is not None}  # daemons, not workers
+        self.group.stop(grace_s=grace_s, keep=keep)
         self._store = None
         if had:
             self._report_now.set()
@@ -508,7 +535,17 @@ class Agent:
                     self._steps.setdefault((self.generation, w.rank), []).append(
                         {
                             k: it.get(k)
-                            for k in ("step", "t_end", "dur", "loss", "tokens", "sec", "tc", "gap")
+                            for k in (
+                                "step",
+                                "t_end",
+                                "dur",
+                                "loss",
+                                "tokens",
+                                "gn",
+                                "sec",
+                                "tc",
+                                "gap",
+                            )
                         }
                     )
             elif kind == "event":

@@ -289,6 +289,7 @@ class Checkpointer:
         self._stager: device.Stager | None = None  # pinned staging of GPU entries
         self._device_hold: tuple[device.Stager, device.Event] | None = None
         self.max_skipped, self._skipped = max_skipped, 0  # snapshots skipped in a row
+        self._grad_flip: sdc.GradFlip | None = None  # an armed sdc:target=grad drill
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
@@ -307,8 +308,11 @@ class Checkpointer:
             raise ValueError(f"save(step={step}): steps are >= 0")
         drill = self._rt.sdc_drill(step)  # an injected silent corruption (tests, drills)
         if drill is not None:
-            flipped = sdc.flip_bit(state, _rank_world()[0], drill.bit)
-            self._rt.event("sdc_injected", step=step, **flipped)
+            among = sdc.state_pointers(self._optimizers, drill.target) if self._optimizers else None
+            if among is None and drill.target == "optimizer":
+                raise ValueError("sdc drill target=optimizer: attach the optimizer first")
+            flipped = sdc.flip_bit(state, _rank_world()[0], drill.bit, among=among)
+            self._rt.event("sdc_injected", step=step, target=drill.target, **flipped)
         self.wait_staged()
         durable = (
             (self.durable_every > 0 and step % self.durable_every == 0)
@@ -467,6 +471,17 @@ class Checkpointer:
         copied in the background."""
         self._optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+        spec = self._rt.grad_drill()  # an injected corrupt gradient (tests, drills)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+        if spec is not None and spec.step is not None and params and self._grad_flip is None:
+
+            def fired(info: dict[str, Any], spec: Any = spec) -> None:
+                self._rt.fire(spec, spec.step)
+                self._rt.event("sdc_injected", step=spec.step, **info)
+
+            self._grad_flip = sdc.GradFlip(
+                params[0], spec.step, spec.bit, self._rt.next_step, fired, name="parameter 0"
+            )
 
     def _before_optimizer_step(self) -> None:
         self.wait_copied()

@@ -35,6 +35,15 @@ Anomalies on rank 0's series (the example reports the mean loss over ranks):
   ``loss_window`` finite losses (Iglewicz & Hoaglin, "How to Detect and Handle Outliers",
   1993), alert when M > ``loss_z``. Their 3.5 is for roughly normal data; small-batch
   training losses are heavy-tailed, so the default is 8;
+- gradient-norm spike (silent data corruption before the all-reduce: a corrupt local
+  gradient is averaged into every replica alike, so their fingerprints agree): the step's
+  total gradient norm (``grad_norm`` of ``step_end``) is non-finite while its loss is finite,
+  or above ``grad_ratio`` (1000) times the median of the previous ``loss_window`` norms. A
+  flip in a float32 exponent's top bits scales an element by 2**16 and more; real training
+  moves the norm by factors of a few between steps (a loss spike from garbage data here:
+  under 10×), so 1000× is three orders of magnitude away from both. Flips of the low exponent
+  or mantissa bits of one element change the norm less than training does: no signal sees
+  them (they are also the least harmful). Needs 5 norms before it judges;
 - throughput drop: tokens/s, median of the last ``tp_recent`` steps against the median of
   the ``tp_baseline`` steps before them (a two-window test for a shift in the median, the
   robust form of the change detectors in Basseville & Nikiforov, "Detection of Abrupt
@@ -62,6 +71,7 @@ class DetectConfig:
     min_late: float = 0.1
     loss_window: int = 50
     loss_z: float = 8.0
+    grad_ratio: float = 1000.0  # 0: no gradient-norm check
     tp_recent: int = 20
     tp_baseline: int = 100
     tp_drop: float = 0.4
@@ -202,6 +212,7 @@ class AnomalyDetector:
     def __init__(self, cfg: DetectConfig) -> None:
         self.cfg = cfg
         self.losses: collections.deque[float] = collections.deque(maxlen=cfg.loss_window)
+        self.norms: collections.deque[float] = collections.deque(maxlen=cfg.loss_window)
         self.tps: collections.deque[float] = collections.deque(
             maxlen=cfg.tp_recent + cfg.tp_baseline
         )
@@ -224,6 +235,8 @@ class AnomalyDetector:
                 )
             elif loss is not None:
                 out += self._spike(generation, step, float(loss))
+                if it.get("gn") is not None:
+                    out += self._grad(generation, step, float(it["gn"]))
             if not first and it.get("tokens") and float(it["dur"]) > 0:
                 self.tps.append(float(it["tokens"]) / float(it["dur"]))
                 out += self._throughput(generation, step)
@@ -240,6 +253,21 @@ class AnomalyDetector:
                 return [("loss_spike", {"generation": generation, "step": step, "loss": round(loss, 5),
                                         "median": round(med, 5), "mad": round(mad, 5), "z": round(m, 1)})]  # fmt: skip
         hist.append(loss)
+        return []
+
+    def _grad(self, generation: int, step: int, norm: float) -> list[Event]:
+        hist, ratio = self.norms, self.cfg.grad_ratio
+        if ratio <= 0:
+            return []
+        if math.isfinite(norm) and len(hist) < 5:
+            hist.append(norm)
+            return []
+        med = statistics.median(hist) if hist else 0.0
+        if not math.isfinite(norm) or (med > 0 and norm > ratio * med):
+            return [("grad_norm_spike", {"generation": generation, "step": step,
+                                         "grad_norm": norm if math.isfinite(norm) else str(norm),
+                                         "median": med, "ratio": round(norm / med, 1) if med > 0 and math.isfinite(norm) else None})]  # fmt: skip
+        hist.append(norm)
         return []
 
     def _throughput(self, generation: int, step: int) -> list[Event]:

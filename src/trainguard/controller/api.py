@@ -147,6 +147,12 @@ class JobConfig:
     # Compare data-parallel replicas' snapshot fingerprints (checkpoint/fingerprint.py) and
     # treat a mismatch as silent data corruption (controller/sdc.py).
     sdc_check: bool = True
+    # Silent corruption that fingerprints cannot see (it reaches every replica alike through
+    # the all-reduce): a gradient norm above sdc_grad_ratio × its median (0: off; analysis.py),
+    # and each running node's known-answer GEMM probe, every probe_every_s (0: off;
+    # agent/probe.py: about 1 ms of one core or a GPU's microseconds a probe).
+    sdc_grad_ratio: float = 1000.0
+    probe_every_s: float = 60.0
     # Failure prediction (controller/risk.py): corrected errors within risk_window_s that
     # flag a node at risk; °C below a GPU's slowdown threshold that do.
     risk_ce_delta: float = 10.0
@@ -205,6 +211,8 @@ class JobConfig:
         need(
             self.node_timeout_s > 2 * self.heartbeat_s, "node_timeout_s must exceed 2 × heartbeat_s"
         )
+        need(self.sdc_grad_ratio == 0 or self.sdc_grad_ratio > 1, "sdc_grad_ratio: 0 (off) or > 1")
+        need(self.probe_every_s >= 0, "probe_every_s must be >= 0 (0: no in-job GEMM probe)")
         for spec in self.injects:
             if spec.rank is not None:
                 need(

@@ -41,7 +41,7 @@ from trainguard.controller.policy import (
     start_generation,
 )
 from trainguard.controller.pools import healthy_standby, is_alive, rebooted, update_pools, world_of
-from trainguard.controller.sdc import check_fingerprints
+from trainguard.controller.sdc import check_fingerprints, check_suspected
 
 __all__ = ["JobState", "decide", "desired_for"]
 
@@ -68,6 +68,10 @@ def decide(
     _fold_steps(s, obs)
     if s.phase == Phase.RUNNING and inputs is not None and inputs.fingerprints:
         sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events)
+        if sdc is not None:
+            _faulted(s, sdc, now, events)
+    if s.phase == Phase.RUNNING and inputs is not None and inputs.suspected:
+        sdc = check_suspected(s, inputs.suspected, now, cfg, events)
         if sdc is not None:
             _faulted(s, sdc, now, events)
     if (

@@ -51,7 +51,8 @@ def desired_for(
         return idle
     ring = ring if ring is not None else ring_of(s)
     master = ring[0]
-    injects = [i.to_json() for i in cfg.injects if i.id not in s.fired and i.kind != "gemm-wrong"]
+    # Each drill fires once per job, but a node whose GEMMs went wrong stays wrong (a defect).
+    injects = [i.to_json() for i in cfg.injects if i.id not in s.fired or i.kind == "gemm-wrong"]
     return Run(
         generation=s.generation,
         node_rank=rank,
@@ -80,4 +81,5 @@ def desired_for(
         node_timeout_s=cfg.node_timeout_s,
         replica_peers=replica_peers(s, node_id, obs, cfg, ring),
         replica_sources=s.restore_sources,
+        probe_every_s=cfg.probe_every_s if cfg.sdc_check else 0.0,
     )

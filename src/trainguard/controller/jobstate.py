@@ -92,6 +92,9 @@ class JobState:
     fp_good: list[list[int]] = dataclasses.field(default_factory=list)
     suspect: list[list[int]] = dataclasses.field(default_factory=list)
     sdc_off: bool = False
+    # Steps whose gradient-norm spike already had the job roll back and recompute them: a
+    # spike that comes back there is the data's, not a corruption (controller/sdc.py).
+    recomputed: list[int] = dataclasses.field(default_factory=list)
 
 
 Event = tuple[str, dict[str, Any]]  # (kind, data): what the store records
@@ -135,6 +138,26 @@ def goto(s: JobState, phase: Phase, now: float, events: list[Event], reason: str
     s.phase, s.phase_since = phase, now
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Suspicion:
+    """A sign of silent data corruption in generation ``generation`` at step ``step``:
+
+    - ``signal="gemm_probe"``: ``node``'s in-job known-answer GEMM probe came out wrong; its
+      last passing probe ran after step ``after`` of generation ``after_generation`` (None:
+      none passed since its agent started);
+    - ``signal="grad_norm"``: rank 0 reported a gradient norm far out of line at ``step``
+      (analysis.py), ``after = step - 1``.
+    ``detail``: what was seen, for the event."""
+
+    signal: str
+    generation: int
+    step: int
+    node: str | None
+    after: int | None
+    detail: str
+    after_generation: int | None = None
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Inputs:
     """What the executor learned since the last tick that is not an agent's latest report:
@@ -158,6 +181,8 @@ class Inputs:
     - ``verdicts``: node → (wall time, problems) of pre-flight verdicts reached since the
       last tick (an empty tuple: passed; ``checking.PreflightDriver`` makes repeated
       inconclusive runs a failed verdict).
+    - ``suspected``: signs of a silent data corruption that fingerprints cannot see
+      (``Suspicion``: a failed in-job GEMM probe, a gradient-norm spike).
     """
 
     stop_requested: bool = False
@@ -170,6 +195,7 @@ class Inputs:
     fingerprints: list[tuple[int, int, dict[int, tuple[int, int]]]] = dataclasses.field(
         default_factory=list
     )
+    suspected: list[Suspicion] = dataclasses.field(default_factory=list)
 
     def empty(self) -> bool:
         return not (
@@ -181,6 +207,7 @@ class Inputs:
             or self.verdicts
             or self.agreed
             or self.fingerprints
+            or self.suspected
         )
 
 
@@ -195,6 +222,7 @@ def merge_inputs(a: Inputs, b: Inputs) -> Inputs:
         verdicts={**a.verdicts, **b.verdicts},
         agreed=a.agreed + b.agreed,
         fingerprints=a.fingerprints + b.fingerprints,
+        suspected=a.suspected + b.suspected,
     )
 
 

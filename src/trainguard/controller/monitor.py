@@ -17,7 +17,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from trainguard.controller.analysis import AnomalyDetector, DetectConfig, Event, StragglerDetector
 
 log = logging.getLogger("trainguard.monitor")
-ALERT_KINDS = ("straggler", "loss_spike", "loss_nonfinite", "throughput_drop", "hang_localized")
+ALERT_KINDS = (
+    "straggler",
+    "loss_spike",
+    "loss_nonfinite",
+    "grad_norm_spike",
+    "throughput_drop",
+    "hang_localized",
+)
 WEBHOOK_TIMEOUT_S = 5.0
 
 

@@ -20,6 +20,19 @@ ranks holding the same chunks (the same ``layout``) are compared:
 On an SDC every point newer than the last known-good one, of this generation or an older
 one, is suspect (``JobState.suspect``) and never restored: the corruption may have reached
 it (a snapshot, a replica or a durable step written after it, before the detection).
+Corruption that fingerprints cannot see (``Inputs.suspected``, ``check_suspected``): a node
+whose GEMMs go wrong, or one corrupt local gradient, is averaged into every replica alike
+before the optimizer step, and the replicas then agree. Two other signals see it:
+
+- a failed in-job known-answer GEMM probe (``agent/probe.py``): the node is the culprit
+  (quarantined, replaced); every point after its last passing probe is suspect, agreeing
+  fingerprints or not;
+- a gradient-norm spike (analysis.py): every point from that step on is suspect, and the job
+  rolls back and recomputes the step from a checkpoint before it (the seeds' "verify by
+  recomputing"). If the spike comes back at the same step, it is the data's (training is
+  deterministic from a checkpoint) and the job goes on; a spike that does not come back was
+  a transient corruption, and no node is named (the probes name a persistent one).
+
 Pure: reads the observations, writes only the state it is given (``decide``'s copy).
 """
 
@@ -27,7 +40,7 @@ from __future__ import annotations
 
 from trainguard.checkpoint.fingerprint import compare
 from trainguard.controller.api import Fault, JobConfig
-from trainguard.controller.jobstate import Event, JobState, known_good
+from trainguard.controller.jobstate import Event, JobState, Suspicion, known_good
 from trainguard.controller.pools import mark_faulty
 from trainguard.protocol import FaultCause
 
@@ -115,6 +128,7 @@ def _fault(
                 "undecided": undecided,
                 "last_agreed": good,
                 "suspect_after": after,
+                "signal": "fingerprints",
             },
         )
     )
@@ -130,3 +144,72 @@ def _fault(
         t_detected=now,
         message=f"{what}; rolling back to the last agreeing {back}",
     )
+
+
+def check_suspected(
+    s: JobState, signs: list[Suspicion], now: float, cfg: JobConfig, events: list[Event]
+) -> Fault | None:
+    """Act on the running generation's first sign of a corruption that fingerprints cannot
+    see (see the module): a fault with the suspect range recorded (no exemption for agreeing
+    points) and a probed culprit's node marked faulty; None when the signs are of another
+    generation, the check is off, or a gradient spike came back where it was recomputed."""
+    if not cfg.sdc_check:
+        return None
+    for sign in signs:
+        if sign.generation != s.generation:
+            continue
+        if sign.signal == "grad_norm" and sign.step in s.recomputed:
+            events.append(
+                (
+                    "sdc_ruled_out",
+                    {
+                        "generation": sign.generation,
+                        "step": sign.step,
+                        "signal": sign.signal,
+                        "reason": f"{sign.detail}, again when recomputed from a checkpoint "
+                        "before it: the data's, not a corruption",
+                    },
+                )
+            )
+            continue
+        if sign.signal == "grad_norm":
+            s.recomputed.append(sign.step)
+        after = -1 if sign.after is None else sign.after
+        if sign.after_generation is not None and sign.after_generation != s.generation:
+            # The last pass was in an older generation (this one's first probe failed): what
+            # this one computed, and its start point if written after that pass, is suspect.
+            after = min(after, s.restore_step if s.restore_step is not None else -1)
+        s.suspect.append([after, s.generation])  # no detected step: agreeing points too
+        nodes = [sign.node] if sign.node is not None and sign.node in s.assignment else []
+        where = f" on {sign.node}" if sign.node else ""
+        what = f"silent data corruption{where} at step {sign.step}: {sign.detail}"
+        events.append(
+            (
+                "sdc_detected",
+                {
+                    "generation": s.generation,
+                    "step": sign.step,
+                    "signal": sign.signal,
+                    "detail": sign.detail,
+                    "culprits": [],
+                    "nodes": nodes,
+                    "undecided": [],
+                    "last_agreed": None,
+                    "suspect_after": after,
+                },
+            )
+        )
+        for n in nodes:
+            mark_faulty(s, n, now, cfg, events, what)
+        back = f"a checkpoint of step {after} or older" if after >= 0 else "the start"
+        return Fault(
+            cause=FaultCause.SDC,
+            generation=s.generation,
+            rank=None,
+            node_id=nodes[0] if nodes else None,
+            step=sign.step,
+            t_fault=now,
+            t_detected=now,
+            message=f"{what}; rolling back to {back}",
+        )
+    return None

@@ -34,6 +34,7 @@ from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses
 from trainguard.controller.jobstate import (
     Inputs,
     StateEncoder,
+    Suspicion,
     merge_inputs,
     next_incarnation,
 )
@@ -138,11 +139,13 @@ class Controller:
         self._last_state = ""
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
+        self._probes_seen: dict[str, Any] = {}  # node → time of its newest GEMM probe seen
         self.closing = False
         self.monitor = Monitor(
             DetectConfig(
                 window_steps=cfg.straggler_window_steps,
                 persist_windows=cfg.straggler_persist_windows,
+                grad_ratio=cfg.sdc_grad_ratio if cfg.sdc_check else 0.0,
             ),
             cfg.alert_webhook,
         )
@@ -150,8 +153,8 @@ class Controller:
         if check_only or cfg.preflight != "off":
             level = cfg.preflight if cfg.preflight != "off" else "quick"
             injects: dict[str, list[str]] = {}
-            for spec in cfg.injects:
-                if spec.kind == "gemm-wrong":
+            for spec in cfg.injects:  # gemm-wrong:…:step=S goes wrong in training (below)
+                if spec.kind == "gemm-wrong" and not spec.step:
                     injects.setdefault(f"node{spec.node}", []).append(spec.kind)
             self.preflight = Preflight(
                 check_cfg or CheckConfig(**{"level": level, **cfg.checks}), store, ckpt_dir=cfg.ckpt_dir,
@@ -236,9 +239,11 @@ class Controller:
             self._full_publish = True  # peers' desired states name this node's addresses
         self._dirty.add(node_id)
         self._fingerprints.add(body.get("fingerprints") or {})
-        at_risk = self._risk.observe(node_id, now, (body.get("health") or {}).get("signals"))
+        health = body.get("health") or {}
+        at_risk = self._risk.observe(node_id, now, health.get("signals"))
         if at_risk is not None:
             self._at_risk(node_id, at_risk)
+        self._probed(node_id, health.get("probe"))
         self._checking.seen(node_id, now)
         if self.preflight is not None:
             self.preflight.ingest(node_id, body.get("checks", []))
@@ -249,6 +254,11 @@ class Controller:
             self.store.record(kind, ev, ts=ts)
             if kind == "inject_fired":
                 self._inputs.fired.append(int(ev["inject"]["id"]))
+                if ev["inject"]["kind"] == "gemm-wrong" and self.preflight is not None:
+                    # The node's GEMMs went wrong in training: its re-check fails too.
+                    got = self.preflight.injects.setdefault(node_id, [])
+                    if "gemm-wrong" not in got:
+                        got.append("gemm-wrong")
             if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
                 self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
             if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
@@ -271,17 +281,55 @@ class Controller:
                 for kind, data in self.monitor.on_steps(gen, world, rank, items):
                     self._on_alert(kind, data)
 
+    def _probed(self, node: str, probe: dict[str, Any] | None) -> None:
+        """A node's newest in-job GEMM probe (agent/probe.py), once: a wrong result is a
+        sign of silent corruption for ``decide`` (controller/sdc.py)."""
+        if not isinstance(probe, dict) or probe.get("t") == self._probes_seen.get(node):
+            return
+        self._probes_seen[node] = probe.get("t")
+        if probe.get("ok") is not False:
+            return
+        gen, step = int(probe["generation"]), int(probe["step"])
+        last_ok = probe.get("last_ok")
+        bad = [r for r in probe.get("results", []) if r.get("mismatches")]
+        where = ", ".join(f"{r['device']}: {r['mismatches']} wrong element(s), first at "
+                          f"{r['first_bad']}" for r in bad)  # fmt: skip
+        self._inputs.suspected.append(
+            Suspicion(
+                signal="gemm_probe",
+                generation=gen,
+                step=step,
+                node=node,
+                after=int(last_ok[1]) if last_ok else None,
+                after_generation=int(last_ok[0]) if last_ok else None,
+                detail=f"its known-answer GEMM probe came out wrong ({where})",
+            )
+        )
+
     def _node_of(self, rank: int) -> str | None:
         node_rank = rank // self.cfg.nproc_per_node
         return next((n for n, r in self.state.assignment.items() if r == node_rank), None)
 
     def _on_alert(self, kind: str, data: dict[str, Any]) -> None:
-        """Record an alert; under ``straggler_action = "replace"`` have a persistent
-        straggler's node replaced by a standby at the next checkpoint boundary."""
+        """Record an alert; a gradient-norm spike is a sign of silent corruption for
+        ``decide`` (controller/sdc.py); under ``straggler_action = "replace"`` have a
+        persistent straggler's node replaced by a standby at the next checkpoint boundary."""
         if "rank" in data:
             data = {**data, "node": self._node_of(int(data["rank"]))}
         self.store.record(kind, data)
         self.monitor.alert(kind, data)
+        if kind == "grad_norm_spike":
+            ratio = f"{data['ratio']:g}× its median" if data.get("ratio") else "not finite"
+            self._inputs.suspected.append(
+                Suspicion(
+                    signal="grad_norm",
+                    generation=int(data["generation"]),
+                    step=int(data["step"]),
+                    node=None,
+                    after=int(data["step"]) - 1,
+                    detail=f"gradient norm {data['grad_norm']} ({ratio})",
+                )
+            )
         node = data.get("node")
         if kind != "straggler" or self.cfg.straggler_action != "replace" or node is None:
             return

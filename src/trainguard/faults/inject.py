@@ -20,13 +20,20 @@ Kinds (each fires once per job, not again after the restart it causes):
 - ``loss-spike:step=S``       every rank trains step S on random tokens (the script applies
                               it: ``Runtime.drill``); the loss jumps
 - ``nan:step=S``              step S's loss is NaN on every rank (the script skips that update)
-- ``gemm-wrong:node=N``       node N's pre-flight GEMM returns a wrong result (one element
-                              off by one): silent data corruption for the checks to catch
-- ``sdc:rank=R:step=S[:bit=B]`` silent data corruption in training: at its first checkpoint
-                              save at or after step S, rank R flips bit B (default 22, the
-                              float32 mantissa's top bit) of the first element of its first
-                              replicated floating-point tensor (a parameter), in the live state
-                              (``trainguard.faults.sdc``); nothing crashes
+- ``gemm-wrong:node=N[:step=S]`` node N computes wrong matrix products (one element of each
+                              off by a part in 2**10, persistently: a defective unit). Without
+                              step: from the start, so its pre-flight GEMM check fails. With
+                              step=S: it passes the pre-flight and goes wrong once its ranks
+                              reach step S, in its workers' GEMMs (scripts under
+                              ``trainguard.init``) and in its in-job known-answer probes
+- ``sdc:rank=R:step=S[:target=T][:bit=B]`` silent data corruption in training: rank R flips
+                              bit B (default 22, the float32 mantissa's top bit) of element 0
+                              of a real tensor (``trainguard.faults.sdc``); nothing crashes.
+                              target=param (default) or optimizer: a replicated parameter or
+                              optimizer-state tensor, in the live state, at its first
+                              checkpoint save at or after step S; target=grad: a parameter's
+                              gradient in step S's backward, before the all-reduce (every
+                              replica then applies the same corrupt average)
 """
 
 from __future__ import annotations
@@ -47,8 +54,13 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "nan": ("step",),
     "sdc": ("rank", "step"),
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {"slow": ("step",), "sdc": ("bit",)}
+_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "slow": ("step",),
+    "sdc": ("bit", "target"),
+    "gemm-wrong": ("step",),
+}
 SDC_DEFAULT_BIT = 22
+SDC_TARGETS = ("param", "grad", "optimizer")
 # Kinds the agent can fire by time, from outside the process: ``after=T`` replaces ``step=S``.
 TIMED = ("kill", "hang", "node-down")
 _EXAMPLE = "kill:rank=1:step=20"
@@ -67,6 +79,7 @@ class InjectSpec:
     factor: float = 1.0
     after: float | None = None  # seconds after the worker started (agent-fired drills)
     bit: int = SDC_DEFAULT_BIT  # sdc: the bit flipped (0 = the lowest)
+    target: str = "param"  # sdc: what holds the flipped bit (SDC_TARGETS)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -77,7 +90,7 @@ class InjectSpec:
 
     def describe(self) -> str:
         if self.kind == "gemm-wrong":
-            return f"gemm-wrong:node={self.node}"
+            return f"gemm-wrong:node={self.node}" + (f":step={self.step}" if self.step else "")
         if self.kind in ("loss-spike", "nan"):
             return f"{self.kind}:step={self.step}"
         where = f"node={self.node}" if self.kind == "node-down" else f"rank={self.rank}"
@@ -86,6 +99,8 @@ class InjectSpec:
             tail = f":after={self.after:g}"
         if self.kind == "slow" and self.step is not None:
             tail += f":step={self.step}"
+        if self.kind == "sdc" and self.target != "param":
+            tail += f":target={self.target}"
         if self.kind == "sdc" and self.bit != SDC_DEFAULT_BIT:
             tail += f":bit={self.bit}"
         return f"{self.kind}:{where}{tail}"
@@ -122,6 +137,9 @@ def parse_inject(text: str, index: int) -> InjectSpec:
         want = ":".join(f"{k}=…" for k in _REQUIRED[kind])
         alt = " (or after=SECONDS for step)" if kind in TIMED else ""
         raise ValueError(f"--inject {text!r}: {kind} takes {kind}:{want}{alt}")
+    target = fields.pop("target", "param")
+    if target not in SDC_TARGETS:
+        raise ValueError(f"--inject {text!r}: target must be one of {', '.join(SDC_TARGETS)}")
     try:
         kw: dict[str, Any] = {
             k: (float(v) if k in ("factor", "after") else int(v)) for k, v in fields.items()
@@ -137,6 +155,8 @@ def parse_inject(text: str, index: int) -> InjectSpec:
         raise ValueError(f"--inject {text!r}: bit must be 0..63 (within one element)")
     if kind == "slow" and kw["factor"] < 1.0:
         raise ValueError(f"--inject {text!r}: factor must be >= 1.0")
+    if kind == "sdc":
+        kw["target"] = target
     return InjectSpec(id=index, kind=kind, **kw)
 
 

@@ -40,6 +40,8 @@ def _sdc(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "generation": e["generation"],
                 "step": e["step"],
+                "signal": e.get("signal", "fingerprints"),
+                "detail": e.get("detail"),
                 "culprits": e["culprits"],
                 "nodes": e["nodes"],
                 "last_agreed": (e.get("last_agreed") or [None])[0],
@@ -136,7 +138,8 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     alerts = [
         {k: v for k, v in e.items() if k != "ts"}
         for e in events
-        if e["kind"] in ("straggler", "loss_spike", "loss_nonfinite", "throughput_drop")
+        if e["kind"]
+        in ("straggler", "loss_spike", "loss_nonfinite", "grad_norm_spike", "throughput_drop")
     ]
     pools = state.get("pools", {})
     why: dict[str, str] = {}
@@ -262,11 +265,17 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     for d in rep["drills"]:
         con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
     for x in rep["sdc"]:
-        who = f"rank(s) {x['culprits']} on {x['nodes']}" if x["culprits"] else "not localized"
+        who = (
+            f"rank(s) {x['culprits']} on {x['nodes']}" if x["culprits"]
+            else f"on {x['nodes'][0]}" if x["nodes"] else "not localized"
+        )  # fmt: skip
+        seen = {"fingerprints": "replica fingerprints", "gemm_probe": "GEMM probe",
+                "grad_norm": "gradient norm"}.get(x["signal"], x["signal"])  # fmt: skip
+        last = f"last agreeing step {x['last_agreed']}, " if x["last_agreed"] is not None else ""
         con.print(
             styled(("silent data corruption: ", "red"),
-                   f"generation {x['generation']}, detected at step {x['step']} ({who}); last "
-                   f"agreeing step {x['last_agreed']}, rolled back to {x['rollback_to']}, "
+                   f"generation {x['generation']}, detected at step {x['step']} by {seen} "
+                   f"({who}); {last}rolled back to {x['rollback_to']}, "
                    f"{x['steps_recomputed']} step(s) recomputed")
         )  # fmt: skip
     for r in rep["at_risk"]:

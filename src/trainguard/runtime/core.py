@@ -64,6 +64,7 @@ class Runtime:
         restore = env.get(api.ENV_RESTORE_STEP, "")
         self.restore_step: int | None = int(restore) if restore else None
         self._heartbeat_s = float(env.get(api.ENV_HEARTBEAT_S, api.DEFAULT_HEARTBEAT_S))
+        self._node_id = env.get(api.ENV_NODE_ID, "")
         self._injects = [s for s in loads(env.get(api.ENV_INJECT, "")) if self._targets_me(s)]
         self._last_end = time.time()
         self._last_step: int | None = None
@@ -88,6 +89,7 @@ class Runtime:
         self._main_ident = threading.main_thread().ident
         self.total_steps: int | None = None  # the step the script ends at, if it said
         self._phases: list[str] = []  # open rt.phase(...) blocks, innermost last
+        self._wrong_gemm: Any = None  # the gemm-wrong drill's mode, once it fired
         addr = env.get(api.ENV_AGENT_ADDR)
         if addr:
             host, _, port = addr.rpartition(":")
@@ -102,6 +104,9 @@ class Runtime:
             # steps of a script that ends right after them) is sent here, or the controller
             # would judge the ranks by a step they passed long ago ("stopped early").
             atexit.register(self._flush)
+        for spec in self._injects:
+            if spec.kind == "gemm-wrong" and (spec.step or 0) <= self.next_step():
+                self._gemm_goes_wrong(spec, self.next_step() - 1)
 
     @property
     def supervised(self) -> bool:
@@ -113,7 +118,15 @@ class Runtime:
             return spec.node == self.node_rank and self.local_rank == 0
         if spec.kind in ("loss-spike", "nan"):
             return True  # the data of every rank
+        if spec.kind == "gemm-wrong":
+            return self._node_id == f"node{spec.node}"  # every rank of that node
         return spec.rank == self.rank
+
+    def next_step(self) -> int:
+        """The step this process computes next: one past its last ``step_end``, else past
+        the restore point (1 for a fresh start)."""
+        last = self._last_step if self._last_step is not None else (self.restore_step or 0)
+        return last + 1
 
     # ---------------------------------------------------------------- timing
     @contextlib.contextmanager
@@ -165,14 +178,38 @@ class Runtime:
             self.add_time("communication", time.perf_counter() - t0)
 
     def sdc_drill(self, step: int) -> InjectSpec | None:
-        """An injected ``sdc`` due at a checkpoint save of ``step`` (its step reached), once
-        per process; its ``inject_fired`` event is sent before the caller flips the bit."""
+        """An injected ``sdc`` of a parameter or optimizer state due at a checkpoint save of
+        ``step`` (its step reached), once per process; its ``inject_fired`` event is sent
+        before the caller flips the bit."""
         for spec in self._injects:
-            if spec.kind == "sdc" and spec.step is not None and spec.step <= step:
-                self._injects = [s for s in self._injects if s is not spec]
-                self._fired(spec, step)
+            if (
+                spec.kind == "sdc"
+                and spec.target != "grad"
+                and spec.step is not None
+                and spec.step <= step
+            ):
+                self.fire(spec, step)
                 return spec
         return None
+
+    def grad_drill(self) -> InjectSpec | None:
+        """The armed ``sdc:…:target=grad`` of this rank, if any (not fired: ``fire`` it)."""
+        return next((s for s in self._injects if s.kind == "sdc" and s.target == "grad"), None)
+
+    def fire(self, spec: InjectSpec, step: int) -> None:
+        """Disarm ``spec`` in this process and send its ``inject_fired`` (synchronously)."""
+        self._injects = [s for s in self._injects if s is not spec]
+        self._fired(spec, step)
+
+    def _gemm_goes_wrong(self, spec: InjectSpec, step: int) -> None:
+        """The ``gemm-wrong`` drill fires after ``step`` (its ``inject_fired`` names the step
+        completed, as every drill's does): this thread's matrix products go wrong for the
+        rest of the process (``faults.sdc.WrongGemm``)."""
+        from trainguard.faults.sdc import WrongGemm
+
+        self.fire(spec, step)
+        self._wrong_gemm = WrongGemm()
+        self._wrong_gemm.__enter__()
 
     def drill(self, step: int) -> str | None:
         """The data fault injected at ``step`` (``loss-spike`` or ``nan``), for the script to
@@ -183,11 +220,20 @@ class Runtime:
         return None
 
     # ---------------------------------------------------------------- training thread
-    def step_end(self, step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
+    def step_end(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        tokens: int | None = None,
+        grad_norm: float | None = None,
+    ) -> None:
         """Mark the end of training step ``step`` (after the optimizer update).
 
         Cost on the training thread: two clock reads and a queue append. ``loss`` is the
-        step's scalar loss, ``tokens`` the tokens this rank processed in the step.
+        step's scalar loss, ``tokens`` the tokens this rank processed in the step,
+        ``grad_norm`` the total gradient norm (what ``clip_grad_norm_`` returns; the
+        controller's silent-corruption check watches it, see controller/analysis.py).
         """
         now = time.time()
         duration = now - self._last_end
@@ -207,6 +253,7 @@ class Runtime:
                     "dur": duration,
                     "loss": loss,
                     "tokens": tokens,
+                    "gn": grad_norm,
                     "sec": sections,
                     "tc": t_coll,
                     "gap": gap,
@@ -254,7 +301,11 @@ class Runtime:
 
     def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
         if spec.kind == "sdc":
-            return  # fired by the Checkpointer at a save (sdc_drill)
+            return  # fired by the Checkpointer at a save (sdc_drill) or in a backward
+        if spec.kind == "gemm-wrong":
+            if spec.step is not None and step + 1 >= spec.step:
+                self._gemm_goes_wrong(spec, step)  # after this step: the next is wrong
+            return
         if spec.kind == "slow":
             # Sleep so that this step takes `factor` times its compute time (from the second
             # step of the process on: the first one's duration includes start-up).
@@ -386,6 +437,12 @@ def init(*, total_steps: int | None = None) -> Runtime:
         return _runtime
 
 
-def step_end(step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
+def step_end(
+    step: int,
+    *,
+    loss: float | None = None,
+    tokens: int | None = None,
+    grad_norm: float | None = None,
+) -> None:
     """Module-level shortcut for ``init().step_end(...)``."""
-    init().step_end(step, loss=loss, tokens=tokens)
+    init().step_end(step, loss=loss, tokens=tokens, grad_norm=grad_norm)
