@@ -42,7 +42,7 @@ from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff
 from trainguard.agent.probe import GemmProbe
 from trainguard.checkpoint import ckptd as ckptd_mod
 from trainguard.health.host import host_health
-from trainguard.health.signals import read_signals
+from trainguard.health.signals import SignalReader
 from trainguard.protocol import (
     Check,
     Desired,
@@ -123,6 +123,7 @@ class Agent:
         self._drills_fired: set[int] = set()  # timed drills (after=T) fired by this agent
         self._sampled_mono = 0.0  # when the outside view was last read
         self._signals: dict[str, Any] = {}  # hardware counters (health/signals.py)
+        self._signal_reader = SignalReader(cfg.node_id)
         self._signals_mono = -1e9
         self._stopped_generation = -1
         self._store: tuple[int, Any] | None = None
@@ -165,6 +166,7 @@ class Agent:
         its way out; for an agent driven by ``loop_once``)."""
         self._stop_workers(grace_s=1.0)
         self.probe.close()
+        self._signal_reader.close()
         self.launcher.close()
         self._link.close()
         self._sock.close()
@@ -249,7 +251,7 @@ class Agent:
         ok, problems = host_health(self.cfg.run_dir, shm)
         now = time.monotonic()
         if now - self._signals_mono >= SIGNALS_S:  # NVML calls: not on every heartbeat
-            self._signals, self._signals_mono = read_signals(self.cfg.node_id), now
+            self._signals, self._signals_mono = self._signal_reader.read(), now
         out = {"ok": ok, "problems": problems, "signals": self._signals}
         probe = self.probe.latest
         if probe is not None:

@@ -154,10 +154,13 @@ class JobConfig:
     sdc_grad_ratio: float = 1000.0
     probe_every_s: float = 60.0
     # Failure prediction (controller/risk.py): corrected errors within risk_window_s that
-    # flag a node at risk; °C below a GPU's slowdown threshold that do.
+    # flag a node at risk; °C below a GPU's slowdown threshold that do, and the horizon of a
+    # temperature climb that does. Sudden signs (uncorrected errors, critical Xids, I/O
+    # errors, SMART) always do.
     risk_ce_delta: float = 10.0
     risk_window_s: float = 600.0
     risk_temp_margin_c: float = 5.0
+    risk_temp_horizon_s: float = 600.0  # a GPU whose climb reaches its slowdown this soon
     alert_webhook: str | None = None  # POST each alert there as JSON (5 s timeout)
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 

@@ -40,7 +40,14 @@ from trainguard.controller.policy import (
     replace_and_restart,
     start_generation,
 )
-from trainguard.controller.pools import healthy_standby, is_alive, rebooted, update_pools, world_of
+from trainguard.controller.pools import (
+    healthy_standby,
+    is_alive,
+    mark_faulty,
+    rebooted,
+    update_pools,
+    world_of,
+)
 from trainguard.controller.sdc import check_fingerprints, check_suspected
 
 __all__ = ["JobState", "decide", "desired_for"]
@@ -65,6 +72,9 @@ def decide(
     if inputs is not None:
         fold_inputs(s, inputs, events)
     update_pools(s, obs, now, cfg, events)
+    for node, why in (inputs.quarantine if inputs is not None else {}).items():
+        if s.pools.get(node) == Pool.STANDBY:  # at risk: never the replacement of a lost node
+            mark_faulty(s, node, now, cfg, events, why)
     _fold_steps(s, obs)
     if s.phase == Phase.RUNNING and inputs is not None and inputs.fingerprints:
         sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events)

@@ -183,6 +183,8 @@ class Inputs:
       inconclusive runs a failed verdict).
     - ``suspected``: signs of a silent data corruption that fingerprints cannot see
       (``Suspicion``: a failed in-job GEMM probe, a gradient-norm spike).
+    - ``quarantine``: standby node → why: failure prediction flagged it (controller/risk.py);
+      it goes to the faulty pool and is re-checked before it may take a rank.
     """
 
     stop_requested: bool = False
@@ -196,6 +198,7 @@ class Inputs:
         default_factory=list
     )
     suspected: list[Suspicion] = dataclasses.field(default_factory=list)
+    quarantine: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def empty(self) -> bool:
         return not (
@@ -208,6 +211,7 @@ class Inputs:
             or self.agreed
             or self.fingerprints
             or self.suspected
+            or self.quarantine
         )
 
 
@@ -223,6 +227,7 @@ def merge_inputs(a: Inputs, b: Inputs) -> Inputs:
         agreed=a.agreed + b.agreed,
         fingerprints=a.fingerprints + b.fingerprints,
         suspected=a.suspected + b.suspected,
+        quarantine={**a.quarantine, **b.quarantine},
     )
 
 

@@ -163,11 +163,15 @@ def rebooted(s: JobState, node_id: str, obs: dict[str, NodeObs]) -> bool:
 
 
 def healthy_standby(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> list[str]:
-    return [
+    """Live standbys, the ones used first first: fewest faults (a node back from quarantine
+    comes after every node that never failed: its re-check passed, but it failed once), then
+    the order they joined."""
+    live = [
         n
         for n in s.join_order
         if s.pools.get(n) == Pool.STANDBY and n in obs and is_alive(obs[n], now, cfg)
     ]
+    return sorted(live, key=lambda n: s.node_faults.get(n, 0))  # stable: join order kept
 
 
 def world_of(s: JobState, cfg: JobConfig) -> int:

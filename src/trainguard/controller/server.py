@@ -134,6 +134,7 @@ class Controller:
                 ce_delta=cfg.risk_ce_delta,
                 window_s=cfg.risk_window_s,
                 temp_margin_c=cfg.risk_temp_margin_c,
+                temp_horizon_s=cfg.risk_temp_horizon_s,
             )
         )
         self._last_state = ""
@@ -346,13 +347,17 @@ class Controller:
     def _at_risk(self, node: str, why: str) -> None:
         """Failure prediction flagged ``node`` (``risk.RiskWatch``): a running node is drained
         to a standby at the next checkpoint boundary (a planned stop: no step lost, no
-        restart charged); without a healthy standby, or not running, it is only reported."""
+        restart charged); a standby is quarantined (it must pass its re-check before it may
+        replace anyone); without a healthy standby, or not in the job, it is only reported."""
         running = node in self.state.assignment and not self.state.phase.terminal
         if running and self._standby_ready():
             action = "drain to a standby at the next checkpoint boundary"
             self._inputs.evict[node] = f"at risk: {why}"
         elif running:
             action = "kept: no healthy standby to take its place"
+        elif self.state.pools.get(node) == Pool.STANDBY:
+            action = "quarantined: re-checked before it may take a rank"
+            self._inputs.quarantine[node] = f"at risk: {why}"
         else:
             action = "not training: watched"
         data = {"node": node, "reason": why, "action": action}
