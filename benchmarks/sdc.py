@@ -62,9 +62,9 @@ PACE = ["--inject", "slow:rank=0:factor=4"]  # steps 4x longer: a probe every se
 
 
 def _run(tmp: Path, name: str, run_args: list[str], script_args: list[str],
-         env: dict[str, str] | None = None) -> Path:  # fmt: skip
+         env: dict[str, str] | None = None, config: str = "") -> Path:  # fmt: skip
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(CONFIG + config)
     run = tmp / name
     cmd = [sys.executable, "-m", "trainguard", "run", "--run-dir", str(run), "--config",
            str(cfg), *run_args, str(GPT), *script_args]  # fmt: skip

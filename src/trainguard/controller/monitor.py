@@ -24,6 +24,9 @@ ALERT_KINDS = (
     "grad_norm_spike",
     "throughput_drop",
     "hang_localized",
+    "sdc_detected",
+    "sdc_ruled_out",
+    "node_at_risk",
 )
 WEBHOOK_TIMEOUT_S = 5.0
 

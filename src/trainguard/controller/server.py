@@ -460,6 +460,8 @@ class Controller:
             raise
         for kind, data in events:
             self.store.record(kind, data)
+            if kind in ("sdc_detected", "sdc_ruled_out"):  # alerts too: status, webhook, metrics
+                self.monitor.alert(kind, data)
             self._log_event(kind, data)
         if new.recovery is not None and self.state.recovery is None:
             self._milestones.clear()  # a new recovery: its milestones are counted afresh
