@@ -182,7 +182,7 @@ def test_a_flipped_gradient_bit_before_the_all_reduce_is_caught_by_the_gradient_
     assert spike["step"] == 33, spike
     (detected,) = [e for e in evs if e["kind"] == "sdc_detected"]
     assert detected["signal"] == "grad_norm" and detected["step"] == 33, detected
-    assert detected["suspect_after"] == 32 and detected["nodes"] == []
+    assert detected["suspect_after"] == 31 and detected["nodes"] == []  # step 32 may hold it
     assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
     starts = [e for e in evs if e["kind"] == "generation_started"]
     assert len(starts) == 2 and starts[1]["restore_step"] in (25, 30), starts[1]

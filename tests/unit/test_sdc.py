@@ -162,11 +162,15 @@ def test_retention_keeps_the_newest_agreeing_step_while_newer_ones_differ(tmp_pa
     _durable_step(root, 50, [5, 5, 5])  # agrees again (a low bit rounded away): still after
     storage.prune(root, 2)  # the first differing step, 20 stays the target
     assert storage.list_committed(root) == [20, 40, 50]
+    _durable_step(root, 60, [6, 6, 6])  # the differing steps leave the newest two: 20 stays
+    storage.prune(root, 2)
+    assert storage.list_committed(root) == [20, 50, 60]
     # A later generation re-commits the corrupt steps (a rollback re-ran them): normal again.
     for step in (30, 40):
         _durable_step(root, step, [step] * 3, gen=1)
     storage.prune(root, 2)
-    assert storage.list_committed(root) == [40, 50]
+    assert storage.list_committed(root) == [50, 60]
+    assert not (root / storage.SDC_HOLD).exists()
 
 
 def test_the_drill_flips_one_bit_of_a_live_parameter() -> None:

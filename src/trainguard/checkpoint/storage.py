@@ -197,14 +197,8 @@ def prune(
     steps = list_committed(root)
     doomed = steps[:-keep] if len(steps) > keep else []
     if doomed:
-        # The rollback target: the newest step before the first one whose ranks differ (a
-        # step with nothing to compare counts as good). Steps after the first differing one
-        # may agree again, a flipped low bit rounded away, and still be corrupt.
-        verdicts = [(st, fingerprint.durable_verdict(step_dir(root, st))) for st in steps]
-        bad = next((st for st, ok in verdicts if ok is False), None)
-        if bad is not None:
-            good = max((st for st, ok in verdicts if ok is not False and st < bad), default=None)
-            doomed = [st for st in doomed if st != good]
+        held = _sdc_hold(root, steps)
+        doomed = [st for st in doomed if st != held]
     for step in doomed:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     for path in root.glob(".tmp-step_*"):
@@ -216,6 +210,44 @@ def prune(
         if stale_step or stale_gen:
             shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+SDC_HOLD = ".sdc-hold"
+
+
+def _sdc_hold(root: Path, steps: list[int]) -> int | None:
+    """The step retention must keep for a silent data corruption's rollback: the newest step
+    before the first one whose ranks differ (a step with nothing to compare counts as good).
+    Steps after the first differing one may agree again, a flipped low bit rounded away, and
+    still be corrupt. The hold is recorded in ``root/.sdc-hold`` (step, generation, and the
+    differing step's generation): it outlives the deletion of the differing steps themselves
+    (the newest ``keep`` move past them), and ends once a later generation than the differing
+    step's committed a step (the job rolled back and went on)."""
+    path = root / SDC_HOLD
+    try:
+        hold: dict[str, int] | None = json.loads(path.read_text())
+    except (OSError, ValueError):
+        hold = None
+    verdicts = [(st, fingerprint.durable_verdict(step_dir(root, st))) for st in steps]
+    bad = next((st for st, ok in verdicts if ok is False), None)
+    if bad is not None:
+        good = max((st for st, ok in verdicts if ok is not False and st < bad), default=None)
+        if good is not None and (hold is None or hold["step"] != good):
+            hold = {"step": good, "generation": committed_generation(root, good),
+                    "bad_generation": committed_generation(root, bad)}  # fmt: skip
+            tmp = path.with_name(SDC_HOLD + ".tmp")
+            tmp.write_text(json.dumps(hold))
+            os.replace(tmp, path)
+    if hold is None:
+        return None
+    gens = {committed_generation(root, st) for st in steps}
+    if any(g > hold["bad_generation"] for g in gens) and bad is None:
+        path.unlink(missing_ok=True)  # a later generation committed cleanly: rolled back
+        return None
+    held = int(hold["step"])
+    return (
+        held if held in steps and committed_generation(root, held) == hold["generation"] else None
+    )
 
 
 def clean_leftovers(root: Path) -> dict[str, list[str]]:

@@ -146,7 +146,8 @@ class Suspicion:
       last passing probe ran after step ``after`` of generation ``after_generation`` (None:
       none passed since its agent started);
     - ``signal="grad_norm"``: rank 0 reported a gradient norm far out of line at ``step``
-      (analysis.py), ``after = step - 1``.
+      (analysis.py), ``after = step - 2``: the step's gradients are corrupt, or the state it
+      started from (a parameter flipped after the step before: its checkpoint holds it).
     ``detail``: what was seen, for the event."""
 
     signal: str

@@ -27,7 +27,8 @@ before the optimizer step, and the replicas then agree. Two other signals see it
 - a failed in-job known-answer GEMM probe (``agent/probe.py``): the node is the culprit
   (quarantined, replaced); every point after its last passing probe is suspect, agreeing
   fingerprints or not;
-- a gradient-norm spike (analysis.py): every point from that step on is suspect, and the job
+- a gradient-norm spike (analysis.py): every point from the step before it on is suspect (the
+  spike's cause is in that step's gradients or in the state it started from), and the job
   rolls back and recomputes the step from a checkpoint before it (the seeds' "verify by
   recomputing"). If the spike comes back at the same step, it is the data's (training is
   deterministic from a checkpoint) and the job goes on; a spike that does not come back was

@@ -327,7 +327,9 @@ class Controller:
                     generation=int(data["generation"]),
                     step=int(data["step"]),
                     node=None,
-                    after=int(data["step"]) - 1,
+                    # The step's gradient, or the state it started from (a parameter flipped
+                    # after the previous step: that step's checkpoint holds it) is corrupt.
+                    after=int(data["step"]) - 2,
                     detail=f"gradient norm {data['grad_norm']} ({ratio})",
                 )
             )
