@@ -19,7 +19,8 @@ class CheckpointNotFoundError(CheckpointError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A committed step failed checksum verification; it is never loaded."""
+    """A committed step failed checksum verification; it is never restored from (a restore
+    that finds it as it reads raises this: the state it partly filled must be discarded)."""
 
 
 class CheckpointReadError(CheckpointError):

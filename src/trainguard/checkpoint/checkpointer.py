@@ -52,6 +52,7 @@ from trainguard.checkpoint.api import (
 )
 from trainguard.checkpoint.ckptd import CkptdClient
 from trainguard.checkpoint.persister import WRITE_ERRORS, Persister
+from trainguard.checkpoint.reader import CorruptFileError, VerifyingReader
 from trainguard.faults import sdc
 from trainguard.runtime import api as rt_api
 from trainguard.runtime.core import init as runtime_init
@@ -608,7 +609,8 @@ class Checkpointer:
                 )
                 _say(f"rank {rank} restored step {step} from the {self._tier} tier")
                 return step
-            problems = storage.verify(self.root, step)
+            # The manifest, sizes and metadata now; each data file's checksum as it is read.
+            problems, sums = storage.verify_for_load(self.root, step)
             if problems:
                 missing = not storage.step_dir(self.root, step).exists()
                 self._restore_failed(rank, step, gen, "durable", problems)
@@ -622,7 +624,12 @@ class Checkpointer:
                     "older checkpoint"
                 )
             try:
-                self._load_durable(state, rank, step)
+                self._load_durable(state, rank, step, sums)
+            except CheckpointCorruptError as e:
+                self._restore_failed(rank, step, gen, "durable", [str(e)])
+                raise CheckpointCorruptError(
+                    f"step {step}: {e}; the controller restarts from an older checkpoint"
+                ) from None
             except CheckpointReadError as e:
                 self._restore_failed(rank, step, gen, "durable", [str(e)])
                 raise
@@ -656,10 +663,20 @@ class Checkpointer:
             problems=problems[:4],
         )
 
-    def _load_durable(self, state: dict[str, Any], rank: int, step: int) -> None:
-        """Read this rank's keys of durable ``step`` into ``state``. Raises CheckpointReadError
-        when a file cannot be read (permissions, I/O error, vanished), CheckpointError when
-        the saved keys do not fit the live state."""
+    def _load_durable(
+        self,
+        state: dict[str, Any],
+        rank: int,
+        step: int,
+        sums: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Read this rank's keys of durable ``step`` into ``state``. ``sums``: the step's
+        manifest files: each file read is checked against them as it is read (one pass,
+        ``reader.VerifyingReader``); None: the step was verified whole already. Raises
+        CheckpointCorruptError for a file that does not match (``state`` may then hold some
+        of its values: do not go on with it), CheckpointReadError when a file cannot be read
+        (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
+        the live state."""
         path = storage.step_dir(self.root, step)
         try:
             md = dcp.FileSystemReader(str(path)).read_metadata()
@@ -690,9 +707,12 @@ class Checkpointer:
                 dcp.load(
                     conv,
                     checkpoint_id=str(path),
+                    storage_reader=VerifyingReader(path, sums) if sums is not None else None,
                     planner=state_mod.TypedLoadPlanner(),
                     no_dist=True,
                 )
+        except CorruptFileError as e:
+            raise CheckpointCorruptError(str(e)) from None
         except OSError as e:
             raise CheckpointReadError(f"step {step} of {self.root}: {e}") from e
         except CheckpointException as e:  # a BaseException: would escape `except Exception`
@@ -702,6 +722,9 @@ class Checkpointer:
                 for f in failures.values()
                 if isinstance(f, tuple) and isinstance(f[0], OSError)
             ]
+            corrupt = [x for x in read if isinstance(x, CorruptFileError)]
+            if corrupt:
+                raise CheckpointCorruptError(str(corrupt[0])) from None
             if read:
                 raise CheckpointReadError(f"step {step} of {self.root}: {read[0]}") from None
             first = next((ln for ln in str(e).splitlines() if "Error" in ln), str(e)[:300])

@@ -151,6 +151,26 @@ class _OpaquePlanner(DefaultSavePlanner):
         return super().transform_object(write_item, object)
 
 
+_CRC32_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_zip_crc32() -> Iterator[None]:
+    """``torch.save``'s per-record zlib CRC-32 off while DCP writes a part: the part's files
+    are checksummed as they are written (CRC-32C, ``_CrcWriter``, hardware-accelerated), so
+    the zip's own software CRC is a second pass over every byte for nothing (measured: a
+    part wrote 1.5-1.7x faster without it). ``torch.load`` (and so ``dcp.load``) reads such
+    files (torch.serialization.set_crc32_options). The option is process-wide: writers in
+    this process hold the lock, and the previous setting is restored."""
+    with _CRC32_LOCK:
+        before = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            yield
+        finally:
+            torch.serialization.set_crc32_options(before)
+
+
 def write_part(
     part: Path,
     tensors: dict[str, Any],
@@ -174,7 +194,7 @@ def write_part(
         writer = dcp.FileSystemWriter(str(part), single_file_per_rank=True, sync_files=True)
         fs = _ChecksummingFileSystem()
         writer.fs = fs
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _no_zip_crc32():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save(
                 {**tensors, **objects},

@@ -14,6 +14,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
@@ -135,11 +136,50 @@ def committed_generation(root: Path, step: int) -> int:
 
 def verify(root: Path, step: int) -> list[str]:
     """Check every file of a committed step against its manifest. Returns the problems found ([] = ok)."""
+    problems, files = _manifest(root, step)
+    if problems:
+        return problems
+    d = step_dir(root, step)
+    for name, want in files.items():
+        path = d / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{path}: size {path.stat().st_size} != {want['size']}")
+        elif file_digest(path) != want[CHECKSUM]:
+            problems.append(f"{path}: checksum mismatch")
+    return problems
+
+
+def verify_for_load(root: Path, step: int) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """What a restore checks before it reads a step (``reader.VerifyingReader`` checks the
+    data files' checksums as it reads them): the manifest, every file present with its size,
+    and the DCP metadata's checksum. Returns (problems, the manifest's files)."""
+    problems, files = _manifest(root, step)
+    if problems:
+        return problems, {}
+    d = step_dir(root, step)
+    for name, want in files.items():
+        path = d / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"{path}: missing")
+            continue
+        if size != want["size"]:
+            problems.append(f"{path}: size {size} != {want['size']}")
+        elif name == DCP_METADATA and file_digest(path) != want[CHECKSUM]:
+            problems.append(f"{path}: checksum mismatch")
+    return problems, files
+
+
+def _manifest(root: Path, step: int) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """A committed step's manifest files (name → size, crc32c), or the problem with it."""
     d = step_dir(root, step)
     try:
         manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        return [f"{d / MANIFEST}: unreadable ({e})"]
+        return [f"{d / MANIFEST}: unreadable ({e})"], {}
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if (
         not isinstance(files, dict)
@@ -151,19 +191,12 @@ def verify(root: Path, step: int) -> list[str]:
             for w in files.values()
         )
     ):
-        return [f"{d / MANIFEST}: not a trainguard manifest (files with size and crc32c expected)"]
+        return [
+            f"{d / MANIFEST}: not a trainguard manifest (files with size and crc32c expected)"
+        ], {}
     if DCP_METADATA not in files:
-        return [f"{d / MANIFEST}: does not cover {DCP_METADATA}"]
-    problems = []
-    for name, want in files.items():
-        path = d / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != want["size"]:
-            problems.append(f"{path}: size {path.stat().st_size} != {want['size']}")
-        elif file_digest(path) != want[CHECKSUM]:
-            problems.append(f"{path}: checksum mismatch")
-    return problems
+        return [f"{d / MANIFEST}: does not cover {DCP_METADATA}"], {}
+    return [], files
 
 
 def newest_verified(
