@@ -42,7 +42,7 @@ def test_a_slow_rank_among_eight_is_named_with_its_node_and_alerted(tmp_path: Pa
     hook = http.server.HTTPServer(("127.0.0.1", 0), Webhook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     run_dir = tmp_path / "run"
-    config = f'preflight = "off"\nheartbeat_s = 0.2\nalert_webhook = "http://127.0.0.1:{hook.server_port}/a"\n'
+    config = f'preflight = "off"\nheartbeat_s = 0.2\nprobe_every_s = 0\nalert_webhook = "http://127.0.0.1:{hook.server_port}/a"\n'
     job = start_job(
         run_dir,
         ["--nodes", "4", "--nproc-per-node", "2", "--inject", "slow:rank=5:factor=1.5"],
@@ -127,7 +127,7 @@ def test_a_thousand_clean_steps_raise_no_alert(tmp_path: Path) -> None:
         ["--nodes", "4", "--nproc-per-node", "2"],
         [*TINY, "--steps", "1000", "--ckpt-every", "10"],
         timeout=900,
-        config='preflight = "off"\nheartbeat_s = 0.2\n',
+        config='preflight = "off"\nheartbeat_s = 0.2\nprobe_every_s = 0\n',
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert reached_step(run_dir, 1000)
@@ -148,7 +148,7 @@ def test_replace_policy_swaps_a_straggler_node_for_the_standby_and_loses_nothing
         ["--nodes", "2", "--standby", "1", "--nproc-per-node", "2",
          "--inject", "slow:rank=3:factor=2:step=11"],
         args,
-        config='preflight = "off"\nheartbeat_s = 0.2\nstraggler_action = "replace"\n',
+        config='preflight = "off"\nheartbeat_s = 0.2\nprobe_every_s = 0\nstraggler_action = "replace"\n',
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     evs = events(run_dir)

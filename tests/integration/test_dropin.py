@@ -16,7 +16,7 @@ from tests.conftest import ROOT, events, wait_for, worker_pid
 from trainguard.checkpoint import storage
 
 REPROS = ROOT / "tests" / "helpers" / "repros"
-CONFIG = 'preflight = "off"\nmax_restarts = 10\nheartbeat_s = 0.2\n'
+CONFIG = 'preflight = "off"\nmax_restarts = 10\nheartbeat_s = 0.2\nprobe_every_s = 0\n'
 
 
 def run_repro(tmp_path: Path, script: str, *args: str, run_args: tuple[str, ...] = ()) -> str:

@@ -23,7 +23,7 @@ from trainguard.checkpoint import replica, snapshot
 WORKER = ROOT / "tests" / "helpers" / "shapes_worker.py"
 REPROS = ROOT / "tests" / "helpers" / "repros"
 TOKEN = "ab" * 16
-CONFIG = 'preflight = "off"\nmax_restarts = 10\nheartbeat_s = 0.2\n'
+CONFIG = 'preflight = "off"\nmax_restarts = 10\nheartbeat_s = 0.2\nprobe_every_s = 0\n'
 
 
 def _shapes(mode: str, root: Path, env: dict[str, str], *args: str) -> dict[str, object]:

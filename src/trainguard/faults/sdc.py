@@ -5,8 +5,9 @@ a defective ALU or memory cell would leave it (silent: nothing crashes, the job 
 - ``GradFlip``: one bit of a parameter's gradient in one step's backward, before the
   all-reduce (``target=grad``): every replica then applies the same corrupt average, so the
   replicas' fingerprints agree and only the gradient norm shows it.
-- ``WrongGemm``: every matrix product of the process is off in one element from a step on
-  (``gemm-wrong:node=N:step=S``), as a node whose GEMM unit went bad computes.
+- ``WrongGemm`` (``faults/gemm.py``, importable without the checkpoint modules: the probe
+  process uses it): every matrix product of the process is off in one element from a step
+  on (``gemm-wrong:node=N:step=S``), as a node whose GEMM unit went bad computes.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import own_key
+from trainguard.faults.gemm import GEMM_ERROR, WrongGemm
+
+__all__ = ["GEMM_ERROR", "GradFlip", "WrongGemm", "flip_bit", "state_pointers"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# WrongGemm's error: element 0 of each product moves by 2**-10 of its magnitude (at least of
-# 1.0, so a zero moves too): far above float32 rounding (2**-24), one bf16 step or more.
-GEMM_ERROR = 2.0**-10
 
 
 def _flip_element(t: torch.Tensor, bit: int, what: str) -> tuple[float, float]:
@@ -119,37 +119,3 @@ class GradFlip:
             {"key": key, "bit": self.bit, "target": "grad", "before": before, "after": after}
         )
         return g
-
-
-_GEMMS = {
-    torch.mm,
-    torch.matmul,
-    torch.addmm,
-    torch.bmm,
-    torch.baddbmm,
-    torch.nn.functional.linear,
-    torch.Tensor.__matmul__,
-    torch.Tensor.mm,
-    torch.Tensor.matmul,
-}
-
-
-class WrongGemm(TorchFunctionMode):
-    """While active, every matrix product this thread computes comes out with element 0
-    moved by ``GEMM_ERROR`` × max(|x|, 1): a GEMM unit that went bad (``gemm-wrong`` drill).
-    Enter it with ``mode.__enter__()`` for the rest of the process (a defect does not heal)."""
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func in _GEMMS and isinstance(out, torch.Tensor) and out.is_floating_point():
-            with torch.no_grad():
-                if out.numel():
-                    first = out.view(-1)[:1]
-                    first.add_(first.abs().clamp_min(1.0) * GEMM_ERROR)
-        return out

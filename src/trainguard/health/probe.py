@@ -6,7 +6,7 @@ when asked, and says whether every element came out exact.
 Protocol (``python -m trainguard.health.probe AGENT_PID N``): once set up, one line out,
 ``{"ready": [devices]}``; then one JSON line in on stdin per
 probe, ``{"wrong": bool}`` (``wrong``: the ``gemm-wrong`` drill has fired on this node: the
-product is computed under ``faults.sdc.WrongGemm``, the same defect its workers have), one
+product is computed under ``faults.gemm.WrongGemm``, the same defect its workers have), one
 JSON line out: ``{"ok": bool, "results": [{"device", "mismatches", "first_bad", "seconds"}]}``.
 It exits at EOF, and dies with the agent (``PR_SET_PDEATHSIG``).
 
@@ -40,7 +40,7 @@ class KnownAnswer:
 
     def run(self, *, wrong: bool) -> dict[str, Any]:
         """One probe: ``{"device", "mismatches", "first_bad" ([i, j] or None), "seconds"}``."""
-        from trainguard.faults.sdc import WrongGemm
+        from trainguard.faults.gemm import WrongGemm
 
         t0 = time.perf_counter()
         with WrongGemm() if wrong else contextlib.nullcontext():

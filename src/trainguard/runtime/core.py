@@ -204,8 +204,8 @@ class Runtime:
     def _gemm_goes_wrong(self, spec: InjectSpec, step: int) -> None:
         """The ``gemm-wrong`` drill fires after ``step`` (its ``inject_fired`` names the step
         completed, as every drill's does): this thread's matrix products go wrong for the
-        rest of the process (``faults.sdc.WrongGemm``)."""
-        from trainguard.faults.sdc import WrongGemm
+        rest of the process (``faults.gemm.WrongGemm``)."""
+        from trainguard.faults.gemm import WrongGemm
 
         self.fire(spec, step)
         self._wrong_gemm = WrongGemm()
