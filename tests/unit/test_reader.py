@@ -67,3 +67,37 @@ def test_a_flipped_byte_a_short_file_and_an_unlisted_file_are_corrupt(tmp_path: 
     _raises_corrupt(path, sums, state, "size")
     _raises_corrupt(path, {k: v for k, v in sums.items() if not k.endswith(".distcp")}, state,
                     "not in the step's manifest")  # fmt: skip
+
+
+@pytest.mark.parametrize("zip_crc", [True, False])
+def test_a_record_is_read_in_place_whatever_its_layout(zip_crc: bool) -> None:
+    """``saved_tensor_view`` finds the storage bytes of a ``torch.save`` record (with or
+    without the zip's CRC-32, as trainguard writes them) for views, transposes and bf16, and
+    gives up (None, torch.load then reads it) on what is not a plain tensor."""
+    import io
+    import pickle
+
+    from trainguard.checkpoint.persister import _no_zip_crc32
+    from trainguard.checkpoint.reader import saved_tensor_view
+
+    def record(obj: object) -> torch.Tensor:
+        b = io.BytesIO()
+        if zip_crc:
+            torch.save(obj, b)
+        else:
+            with _no_zip_crc32():
+                torch.save(obj, b)
+        return torch.frombuffer(bytearray(b.getvalue()), dtype=torch.uint8)
+
+    for t in (
+        torch.arange(10, dtype=torch.float32),
+        torch.randn(3, 4).t(),  # strides of a transpose
+        torch.randn(5).to(torch.bfloat16),
+        torch.arange(12).view(3, 4)[1:],  # a view: the whole storage saved, with an offset
+    ):
+        got = saved_tensor_view(record(t))
+        assert got is not None and torch.equal(got, t) and got.stride() == t.stride(), t
+    assert saved_tensor_view(record({"a": 1})) is None
+    assert (
+        saved_tensor_view(torch.frombuffer(bytearray(pickle.dumps(1)), dtype=torch.uint8)) is None
+    )

@@ -3,7 +3,11 @@ load touches read once, ``READ_THREADS`` requests of ``CHUNK`` bytes in flight, 
 CRC-32C checked against the step's manifest over those same bytes (no second read of the
 step to verify it first, the way ``storage.verify`` then ``dcp.load`` read it twice).
 
-Each item (a tensor's ``torch.save`` record, or an object's bytes) is read whole into memory,
+Each item (a tensor's ``torch.save`` record, or an object's bytes) is read whole into memory
+(an uninitialized uint8 tensor), a tensor record parsed in place (``saved_tensor_view``: the
+zip directory and the pickle say where the storage bytes are; ``torch.load`` would copy them
+twice more, through a BytesIO and into a new storage: 2.8 s against ``dcp.load``'s 1.1 s
+for 1 GiB here, now about 1.1x ``dcp.load``),
 checksummed in file order with the gaps between the items this rank needs (read too, so
 that the file's checksum is whole) and handed to the planner as DCP's own reader would. A
 file whose checksum or size differs raises ``CorruptFileError`` once its last byte is read:
@@ -13,8 +17,14 @@ that state (``Checkpointer.load`` raises, the rank restarts from an older point)
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pickle
+import struct
+import sys
+import warnings
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -26,8 +36,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-READ_THREADS = 8  # requests in flight per file (a virtual or network disk serves several)
-CHUNK = 16 << 20  # bytes per request
+READ_THREADS = 4  # requests in flight per file (a network or cloud disk serves several)
+CHUNK = 32 << 20  # bytes per request (4 x 32 MiB: as fast here as one reader of 64 MiB)
 
 
 class CorruptFileError(OSError):
@@ -81,10 +91,10 @@ class VerifyingReader(FileSystemReader):
                     pos = off
                 buf = _read(pool, fd, off, length)
                 if off == pos:
-                    crc = crc32c.crc32c(buf, crc)
+                    crc = crc32c.crc32c(buf.numpy(), crc)
                     pos = off + length
                 elif off + length > pos:  # overlaps the previous range (not in DCP files)
-                    crc = crc32c.crc32c(memoryview(buf)[pos - off :], crc)
+                    crc = crc32c.crc32c(buf.numpy()[pos - off :], crc)
                     pos = off + length
                 self.bytes_read += length
                 for req in items:
@@ -96,12 +106,14 @@ class VerifyingReader(FileSystemReader):
         finally:
             os.close(fd)
 
-    def _serve(self, req: ReadItem, buf: bytearray, planner: LoadPlanner) -> None:
-        stream = io.BytesIO(buf)
+    def _serve(self, req: ReadItem, buf: torch.Tensor, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, stream)
+            planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
             return
-        tensor = cast(torch.Tensor, torch.load(stream, map_location="cpu", weights_only=True))
+        tensor = saved_tensor_view(buf)  # a view of the bytes read: no copy before copy_
+        if tensor is None:  # not the plain record layout: torch's own reader
+            stream = io.BytesIO(buf.numpy())
+            tensor = cast(torch.Tensor, torch.load(stream, map_location="cpu", weights_only=True))
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -112,10 +124,11 @@ class VerifyingReader(FileSystemReader):
         planner.commit_tensor(req, target)
 
 
-def _read(pool: ThreadPoolExecutor, fd: int, off: int, length: int) -> bytearray:
-    """``length`` bytes at ``off``, as CHUNK-sized preads in flight together."""
-    buf = bytearray(length)
-    view = memoryview(buf)
+def _read(pool: ThreadPoolExecutor, fd: int, off: int, length: int) -> torch.Tensor:
+    """``length`` bytes at ``off`` (a uint8 tensor, not zero-filled first), as CHUNK-sized
+    preads in flight together."""
+    buf = torch.empty(length, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
 
     def one(start: int) -> None:
         end = min(length, start + CHUNK)
@@ -134,5 +147,111 @@ def _read(pool: ThreadPoolExecutor, fd: int, off: int, length: int) -> bytearray
 def _crc_span(pool: ThreadPoolExecutor, fd: int, off: int, length: int, crc: int) -> int:
     """The CRC-32C ``crc`` continued over ``length`` bytes at ``off`` (read CHUNK by CHUNK)."""
     for start in range(0, length, 4 * CHUNK):
-        crc = crc32c.crc32c(_read(pool, fd, off + start, min(4 * CHUNK, length - start)), crc)
+        part = _read(pool, fd, off + start, min(4 * CHUNK, length - start))
+        crc = crc32c.crc32c(part.numpy(), crc)
     return crc
+
+
+class _Bytes(io.RawIOBase):
+    """A read-only, seekable file over a uint8 tensor's bytes (zipfile reads its directory
+    through it without copying the rest)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        super().__init__()
+        self.mv, self.pos = memoryview(buf.numpy()), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.mv)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self.mv) - self.pos))
+        b[:n] = self.mv[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+class _Rebuilt:
+    """What the record's pickle says of its tensor (``_rebuild_tensor_v2``'s arguments)."""
+
+    def __init__(self, storage: tuple[torch.dtype, str, int], offset: int, size: Any,
+                 stride: Any, *_: Any) -> None:  # fmt: skip
+        (self.dtype, self.key, self.numel), self.offset = storage, int(offset)
+        self.size, self.stride = tuple(size), tuple(stride)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads a ``torch.save``'d plain tensor's pickle into ``_Rebuilt``; anything else (a
+    subclass, a quantized or sparse tensor, another global) raises ``pickle.UnpicklingError``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuilt
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage":
+            raise pickle.UnpicklingError(f"persistent id {kind}")
+        with warnings.catch_warnings():  # the legacy typed-storage classes warn on use
+            warnings.simplefilter("ignore")
+            return (storage_type.dtype, str(key), int(numel))
+
+
+def _span(buf: torch.Tensor, info: zipfile.ZipInfo) -> tuple[int, int]:
+    """Where a stored (uncompressed) record's bytes lie in ``buf``. zipfile's own read checks
+    the zip's CRC-32, which trainguard's parts leave out (persister._no_zip_crc32: the file's
+    CRC-32C covers them); torch.load does not check it either."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError("compressed record")
+    head = buf[info.header_offset : info.header_offset + 30].numpy().tobytes()
+    if head[:4] != b"PK\x03\x04":
+        raise ValueError("no local header")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > buf.numel():
+        raise ValueError("record past the item")
+    return start, start + info.file_size
+
+
+def saved_tensor_view(buf: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a ``torch.save`` record in ``buf`` holds, as a view of ``buf`` (the stored,
+    uncompressed storage bytes, with the saved offset, size and stride), or None when the
+    record is not that plain layout (the caller then lets ``torch.load`` read it)."""
+    try:
+        with zipfile.ZipFile(_Bytes(buf)) as z:  # the directory only: records read below
+            infos = {i.filename: i for i in z.infolist()}
+        pkl = next(n for n in infos if n.endswith("/data.pkl"))
+        prefix = pkl[: -len("data.pkl")]
+        if prefix + "byteorder" in infos:
+            lo, hi = _span(buf, infos[prefix + "byteorder"])
+            if buf[lo:hi].numpy().tobytes() != b"little":
+                return None
+        lo, hi = _span(buf, infos[pkl])
+        meta = _TensorPickle(io.BytesIO(buf[lo:hi].numpy().tobytes())).load()
+        if sys.byteorder != "little" or not isinstance(meta, _Rebuilt):
+            return None
+        start, end = _span(buf, infos[f"{prefix}data/{meta.key}"])
+        nbytes = meta.numel * meta.dtype.itemsize
+        if end - start < nbytes:
+            return None
+        storage = buf[start : start + nbytes].view(meta.dtype)
+        # as_strided's offset counts from the start of the buffer's storage, not the slice's
+        return storage.as_strided(meta.size, meta.stride, storage.storage_offset() + meta.offset)
+    except (StopIteration, KeyError, ValueError, RuntimeError, TypeError, AttributeError,
+            zipfile.BadZipFile, pickle.UnpicklingError, struct.error):  # fmt: skip
+        return None
