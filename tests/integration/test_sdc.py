@@ -161,6 +161,10 @@ def test_a_node_whose_corrected_errors_climb_is_drained_with_no_lost_step(
 # Steps ~5x longer (a sleep on rank 0; the losses do not change): the controller hears of a
 # sign within a step or two, before retention has dropped the checkpoints before it.
 PACE = ["--inject", "slow:rank=0:factor=5"]
+# Retention knows of fingerprint disagreements only (README): for a gradient or probe sign the
+# rollback target must outlive the steps run until the stop, so three durable steps are kept
+# (a loaded machine ran 8 steps past the sign before its workers stopped).
+KEEP3 = FAST_CONFIG + "keep_checkpoints = 3\n"
 
 
 def test_a_flipped_gradient_bit_before_the_all_reduce_is_caught_by_the_gradient_norm(
@@ -171,7 +175,7 @@ def test_a_flipped_gradient_bit_before_the_all_reduce_is_caught_by_the_gradient_
     before the step, recomputes it (clean now: the drill fires once) and loses nothing."""
     run = tmp_path / "run"
     flip = ["--inject", "sdc:rank=1:step=33:target=grad:bit=30"]
-    proc = start_job(run, ["--nodes", "2", *flip, *PACE], ARGS)
+    proc = start_job(run, ["--nodes", "2", *flip, *PACE], ARGS, config=KEEP3)
     code, err = finish_job(proc, timeout=300)
     assert code == 0, err[-3000:]
     assert losses(run) == reference2
@@ -200,7 +204,7 @@ def test_a_node_whose_gemms_go_wrong_in_training_is_named_by_its_probe_and_repla
     fails, node1 is quarantined, the standby takes its rank, and the job restarts from a
     point before node1's last passing probe: the same losses as a run without the fault."""
     run = tmp_path / "run"
-    probing = FAST_CONFIG.replace("probe_every_s = 0", "probe_every_s = 0.5")
+    probing = KEEP3.replace("probe_every_s = 0", "probe_every_s = 0.5")
     wrong = ["--inject", "gemm-wrong:node=1:step=40"]
     slow = ["--inject", "slow:rank=0:factor=8"]  # the probe process is up well before step 40
     proc = start_job(run, ["--nodes", "2", "--standby", "1", *wrong, *slow], ARGS, config=probing)

@@ -42,7 +42,12 @@ def desired_for(
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
         faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
         grace = cfg.fault_stop_grace_s if faulted else cfg.stop_grace_s
-        hang = faulted and s.recovery is not None and s.recovery.fault.cause == FaultCause.HANG
+        cause = s.recovery.fault.cause if faulted and s.recovery is not None else None
+        if cause == FaultCause.SDC:
+            # Corrupt state: SIGKILL at once. A script that saves on SIGTERM would persist
+            # it, and retention would drop the good step the rollback needs to make room.
+            grace = 0.0
+        hang = cause == FaultCause.HANG
         persist = None
         if s.persist is not None:  # persist this snapshot from memory (a planned stop)
             persist = (int(s.persist["step"]), int(s.persist["generation"]))
