@@ -145,7 +145,7 @@ class Chaos:
         return None
 
     def corrupt_memory(self) -> str | None:
-        return self._corrupt_snapshot("node*-r*-s[01]")
+        return self._corrupt_snapshot("node*-r*-s[0-9]")
 
     def corrupt_replica(self) -> str | None:
         return self._corrupt_snapshot("node*-replica-r*")

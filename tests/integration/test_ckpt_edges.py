@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.checkpoint import storage
+from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.api import CheckpointError
 from trainguard.checkpoint.checkpointer import Checkpointer
 
@@ -94,7 +94,7 @@ def test_a_state_with_a_key_the_checkpoint_lacks_is_one_checkpoint_error(tmp_pat
 def test_skipped_snapshots_are_bounded_said_and_waiting_for_a_slot_is_not_a_skip(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 13, property 8: while both slots are held (another process holds the shared
+    """Issue 13, property 8: while every slot is held (another process holds the shared
     lock the persister takes while it persists, as on a disk slower than the steps), at most
     ``max_skipped`` snapshots in a row are skipped, said once on stderr; the next save waits
     for a slot, so a memory restore never loses more than max_skipped + 1 steps."""
@@ -104,8 +104,8 @@ def test_skipped_snapshots_are_bounded_said_and_waiting_for_a_slot_is_not_a_skip
 
     ck = Checkpointer(tmp_path / "ck", durable_every=0, max_skipped=2)
     state = {"w": torch.zeros(1000)}
-    ck.save(1, state)
-    ck.save(2, state)  # both slots now hold a snapshot
+    for step in range(1, snapshot.SLOTS + 1):
+        ck.save(step, state)  # every slot now holds a snapshot
     ck.wait_staged()
     slots = [s.path for s in ck._slots]
     holder = subprocess.Popen(
@@ -120,24 +120,24 @@ def test_skipped_snapshots_are_bounded_said_and_waiting_for_a_slot_is_not_a_skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
-        ck.save(3, state)  # skipped
-        ck.save(4, state)  # skipped
+        s = snapshot.SLOTS
+        ck.save(s + 1, state)  # skipped
+        ck.save(s + 2, state)  # skipped
         assert time.monotonic() - t0 < 1.0
-        ck.save(5, state)  # the bound: waits until a slot is free
+        ck.save(s + 3, state)  # the bound: waits until a slot is free
         waited = time.monotonic() - t0
         ck.wait_staged()
     finally:
         holder.wait(timeout=30)
     assert waited >= 2.0, waited
     held = [snapshot_step(p) for p in slots]
-    assert 5 in held and 3 not in held and 4 not in held, held
+    assert s + 3 in held and s + 1 not in held and s + 2 not in held, held
     err = capfd.readouterr().err
-    assert err.count("skipped the snapshot of step 3") == 1 and "step 4" not in err
+    assert err.count(f"skipped the snapshot of step {s + 1}") == 1
+    assert f"step {s + 2}" not in err
     ck.close()
 
 
 def snapshot_step(path: Path) -> int | None:
-    from trainguard.checkpoint import snapshot
-
     h = snapshot.peek_header(path)
     return None if h is None else int(h["step"])

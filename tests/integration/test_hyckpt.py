@@ -87,7 +87,7 @@ def shm(tmp_path: Path) -> Iterator[Path]:
     """A private tmpfs for the slots (so the test can size it and never touches others')."""
     d = tmp_path / "shm"
     d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(d)], check=True)
     yield d
     subprocess.run(["umount", "-l", str(d)], check=False)
 
@@ -157,10 +157,7 @@ def test_worker_sigkill_mid_copy_leaves_the_previous_slot_serving(
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=10)
     headers = [snapshot.peek_header(s) for s in snapshot.slot_paths(shm, JOB, NODE, 0)]
-    assert [h["step"] if h else None for h in headers] in (
-        [1, None],
-        [None, 1],
-    )  # step 2 torn, never used
+    assert sorted(h["step"] for h in headers if h) == [1]  # step 2 torn, never used
     assert _status()["memory"]["0"] == [[1, 0]]
     assert _load(tmp_path, shm, (1, 0), "120") == {"step": 1, "bytes_ok": True, "pos": 10}
 

@@ -351,12 +351,12 @@ def test_a_slow_disk_is_back_pressure_not_a_hang(
     run.mkdir()
     cfg = tmp_path / "slow.toml"
     cfg.write_text(FAST_CONFIG + f'checkpoint_dir = "{mnt / "checkpoints"}"\n')
-    # Every step snapshotted, every 40th persisted through a disk far slower than the steps
-    # (a step's ~0.4 MB take seconds): at step 80 both slots of a rank wait on the disk, the
+    # Every step snapshotted, every 20th persisted through a disk far slower than the steps
+    # (a step's ~0.4 MB take seconds): by step 60 every slot of a rank waits on the disk, the
     # next snapshots are skipped (at most max_skipped = 4 in a row), then a save waits for a
     # slot, inside trainguard, past the 3 s hang timeout, which must not fire on a rank that
     # waits on trainguard's own disk.
-    args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "40"]
+    args = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "20"]
     cmd = [
         *trainguard_cmd(), "run", "--run-dir", str(run), "--config", str(cfg), "--nodes", "2",
         "--hang-timeout", "3", str(GPT), *args,

@@ -1,7 +1,7 @@
 """The runtime Checkpointer: ``save(step, state)``, ``load(state)``, ``wait()``, ``close()``.
 
 The training step pays only for a memory copy: ``save`` copies the state's tensors
-into a pre-allocated, pre-faulted shared-memory slot (double-buffered), writes the
+into a pre-allocated, pre-faulted shared-memory slot (one of ``snapshot.SLOTS``), writes the
 header last and notifies the persister, which checksums it and writes it to the
 durable tier (DCP layout) in the background. Under ``trainguard run`` the slots and
 the persister belong to the node's ckptd, so they outlive a crashed worker; outside
@@ -105,7 +105,7 @@ class _Local:
         self.shm_dir = shm_dir
         self.paths: list[Path] = []
 
-    def alloc(self, rank: int, nbytes: int) -> tuple[Path, Path]:
+    def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
         paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
         for p in paths:
             snapshot.create_slot(p, nbytes)
@@ -169,9 +169,9 @@ class _Remote:
                     ) from e
                 time.sleep(0.1)
 
-    def alloc(self, rank: int, nbytes: int) -> tuple[Path, Path]:
-        a, b = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)["slots"]
-        return Path(a), Path(b)
+    def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
+        reply = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)
+        return tuple(Path(p) for p in reply["slots"])
 
     def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
         self._call(
@@ -236,7 +236,7 @@ class Checkpointer:
             is in memory); 0 = only saves with ``durable=True``.
         overlap: copy in the background (see module docstring).
         memory_tier: False = synchronous DCP saves straight to the durable tier.
-        max_skipped: snapshots in a row that may be skipped while both slots are still being
+        max_skipped: snapshots in a row that may be skipped while every slot is still being
             persisted (disk slower than the steps); the next save then waits for a slot
             (keep-alives sent: waiting is not a hang), so a memory restore never loses more
             than ``max_skipped + 1`` steps. Each skip is a ``ckpt_skipped`` event; a run of
@@ -278,7 +278,7 @@ class Checkpointer:
         self._static = ""  # the layout's static header (layout, mappings, shards) as JSON
         # the mappings, shards and object keys it was built for (tensor keys: in the layout)
         self._static_of: tuple[Any, Any, list[str]] = ({}, {}, [])
-        self._newest = -1  # index of the slot holding the newest snapshot
+        self._age: list[int] = []  # slot indices, least recently written first
         self._copy: threading.Thread | None = None
         self._copied = threading.Event()  # the background copy is in memory (params may change)
         self._copied.set()
@@ -342,11 +342,11 @@ class Checkpointer:
             self._skipped += 1
             self._rt.event(
                 "ckpt_skipped", step=step, skipped_in_a_row=self._skipped,
-                reason="both snapshot slots busy persisting (disk slower than the steps)",
+                reason="every snapshot slot busy persisting (disk slower than the steps)",
             )  # fmt: skip
             if self._skipped == 1:
                 _say(
-                    f"rank {rank} skipped the snapshot of step {step}: both slots are still "
+                    f"rank {rank} skipped the snapshot of step {step}: every slot is still "
                     f"being persisted; at most {self.max_skipped} in a row, then saves wait"
                 )
             return
@@ -401,7 +401,8 @@ class Checkpointer:
                 slot.write_tensors(layout, host_srcs, on_dev)
                 slot.commit(layout, blob, meta, static)
                 self._written[slot.path] = meta
-                self._newest = self._slots.index(slot)
+                i = self._slots.index(slot)
+                self._age = [j for j in self._age if j != i] + [i]
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
                 lockf.close()
@@ -518,13 +519,14 @@ class Checkpointer:
         self._static_of = (flat.mappings, flat.shards, list(flat.objects))
         paths = backend.alloc(rank, self._layout.total_bytes)
         self._slots = [snapshot.Slot(p, writable=True) for p in paths]
-        self._newest = -1
+        self._age = list(range(len(self._slots)))
         self._stager = None
 
     def _take_slot(self, wait: bool) -> tuple[snapshot.Slot | None, Any]:
-        """Lock a slot the persister does not hold: prefer the one without the newest snapshot.
-        ``wait``: up to SLOT_WAIT_S (a durable step, or the skip bound reached), else not."""
-        order = [1 - self._newest, self._newest] if self._newest >= 0 else [0, 1]
+        """Lock a slot the persister does not hold, the least recently written first (so the
+        newest snapshots stay whole). ``wait``: up to SLOT_WAIT_S (a durable step, or the skip
+        bound reached), else not."""
+        order = list(self._age)
         deadline = time.monotonic() + (SLOT_WAIT_S if wait else 0.0)
         alive = time.monotonic()
         while True:

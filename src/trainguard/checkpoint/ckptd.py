@@ -100,7 +100,7 @@ class Ckptd:
         self.sock.listen(64)
         self.sock.settimeout(0.2)
         adopted: dict[str, list[str]] = {}
-        for path in sorted(shm_dir.glob(f"trainguard-{job}-{node}-r*-s[01]")):
+        for path in sorted(shm_dir.glob(f"trainguard-{job}-{node}-r*-s[0-9]")):
             rank = int(path.name.rsplit("-r", 1)[1].split("-")[0])
             what = self.persister.adopt(rank, path)
             if what is not None:

@@ -452,10 +452,19 @@ def read_sums(slot: Path, step: int, generation: int) -> dict[str, list[int]] | 
     return d["sums"] if d.get("step") == step and d.get("generation") == generation else None
 
 
-def slot_paths(shm_dir: Path, job: str, node: str, rank: int) -> tuple[Path, Path]:
-    """The two slots (double buffer) of one rank: persisting one never races staging the other."""
+SLOTS = 3
+"""Slots per rank. Two would let persisting one never race staging the other, but while a
+durable write pins one, the other is rewritten every step: a worker killed mid-copy (a
+planned stop's SIGTERM to a script without a handler, a crash) then leaves nothing newer than
+the pinned step, and ranks one step apart share no newer snapshot either. The third keeps the
+previous step whole while the next is copied, so a stop or crash costs the snapshot in flight,
+not every step since the durable one (seen: 9 steps in CI). Memory: 3 x the rank's state."""
+
+
+def slot_paths(shm_dir: Path, job: str, node: str, rank: int) -> tuple[Path, ...]:
+    """The ``SLOTS`` slots of one rank, in a fixed order (see ``SLOTS``)."""
     base = f"trainguard-{job}-{node}-r{rank}"
-    return shm_dir / f"{base}-s0", shm_dir / f"{base}-s1"
+    return tuple(shm_dir / f"{base}-s{i}" for i in range(SLOTS))
 
 
 def create_slot(path: Path, nbytes: int) -> None:

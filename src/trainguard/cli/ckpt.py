@@ -76,7 +76,7 @@ def inventory(run_dir: Path, *, verify: bool) -> list[dict[str, Any]]:
                     "detail": [f"complete parts: {', '.join(parts) or 'none'}"],
                 }
             )
-    for path in sorted(shm.glob(f"trainguard-{job}-*-r*-s[01]")):
+    for path in sorted(shm.glob(f"trainguard-{job}-*-r*-s[0-9]")):
         h = snapshot.peek_header(path)
         if h is None:
             rows.append(

@@ -68,7 +68,7 @@ class Monitor:
         self.c_alerts = Counter("trainguard_alerts", "Alerts raised", ["kind"], registry=r)
         self.c_skipped = Counter(
             "trainguard_snapshots_skipped",
-            "Snapshots skipped: both slots still being persisted (back-pressure)",
+            "Snapshots skipped: every slot still being persisted (back-pressure)",
             ["rank"],
             registry=r,
         )

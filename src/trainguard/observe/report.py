@@ -254,7 +254,7 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         con.print(
             styled(("back-pressure: ", "yellow"),
                    f"{rep['snapshots_skipped']} snapshot(s) skipped, at most "
-                   f"{rep['max_skipped_in_a_row']} in a row (both slots still being persisted: "
+                   f"{rep['max_skipped_in_a_row']} in a row (every slot still being persisted: "
                    "the disk was slower than the steps)")
         )  # fmt: skip
     for p in rep["planned_stops"]:
