@@ -3,8 +3,12 @@
 - ``ls``      each step with the tiers holding it and their state: durable (verified or
               corrupt), partial (persisting or abandoned), and memory snapshots per rank
               (verified, unverified, torn) while the job's nodes still hold them
-- ``verify``  re-checks every checksum; exit status 1 if anything is corrupt
-- ``export``  one durable step to a single ``torch.save`` file or to safetensors
+- ``verify``  re-checks every checksum (the archive's files are read back); exit status 1 if
+              anything is corrupt
+- ``export``  one durable step to a single ``torch.save`` file or to safetensors; a step only
+              the archive (cold tier) holds is fetched from there first, verified
+
+Steps in the cold tier (``archive_url``) are listed as tier ``archive``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import hashlib
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +51,40 @@ def _dirs(run_dir: Path) -> tuple[Path, Path, str]:
     return root, Path(cfg.get("shm_dir") or "/dev/shm"), job
 
 
+def _archive(run_dir: Path) -> Any:
+    """The run's cold tier (``archive.Archive``), or None when it has none."""
+    cfg = _config(run_dir)
+    if not cfg.get("archive_url"):
+        return None
+    from trainguard.checkpoint.archive import Archive
+
+    return Archive(cfg["archive_url"], endpoint_url=cfg.get("archive_endpoint_url"))
+
+
+def _archive_rows(run_dir: Path, verify: bool) -> list[dict[str, Any]]:
+    from trainguard.checkpoint.archive import ArchiveError
+
+    a = _archive(run_dir)
+    if a is None:
+        return []
+    row = {"tier": "archive", "where": a.url, "generation": None}
+    try:
+        steps = a.list_steps()
+    except ArchiveError as e:
+        return [{**row, "step": None, "state": "unreachable", "detail": [str(e)]}]
+    rows = []
+    for step in steps:
+        problems = a.verify(step) if verify else []
+        state = "corrupt" if problems else ("verified" if verify else "uploaded")
+        rows.append({**row, "step": step, "where": f"{a.url}/step_{step}", "state": state,
+                     "detail": problems})  # fmt: skip
+    return rows
+
+
 def inventory(run_dir: Path, *, verify: bool) -> list[dict[str, Any]]:
     """Rows of (step, tier, where, state, detail), newest step first."""
     root, shm, job = _dirs(run_dir)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = _archive_rows(run_dir, verify)
     for step in storage.list_committed(root):
         problems = storage.verify(root, step) if verify else []
         rows.append(
@@ -120,22 +155,45 @@ def inventory(run_dir: Path, *, verify: bool) -> list[dict[str, Any]]:
 
 
 def export(run_dir: Path, step: int | None, out: Path, fmt: str) -> int:
-    """Write durable ``step`` (default: newest verified) to ``out``. Raises ValueError naming the fix."""
+    """Write durable ``step`` (default: the hot tier's newest verified, else the archive's
+    newest) to ``out``. Raises ValueError naming the fix."""
+    root, _, _ = _dirs(run_dir)
+    with tempfile.TemporaryDirectory(prefix="trainguard-export-") as cold:
+        step, root = _export_source(run_dir, root, step, Path(cold))
+        _export_step(storage.step_dir(root, step), step, out, fmt)
+    return step
+
+
+def _export_source(run_dir: Path, root: Path, step: int | None, cold: Path) -> tuple[int, Path]:
+    """(step, the directory holding it verified): the hot tier, else the archive's copy
+    fetched into ``cold``. Raises ValueError naming the fix."""
+    from trainguard.checkpoint.archive import ArchiveError
+
+    hot = storage.newest_verified(root)[0] if step is None else step
+    if hot is not None and hot in storage.list_committed(root) and not storage.verify(root, hot):
+        return hot, root
+    a = _archive(run_dir)
+    try:
+        archived = a.list_steps() if a is not None else []
+        want = archived[-1] if step is None and archived else step
+        if want is not None and want in archived:
+            a.fetch(want, cold)
+            return want, cold
+    except ArchiveError as e:
+        raise ValueError(f"{e}") from None
+    if step is None:
+        raise ValueError(f"{root}: no verified durable checkpoint to export")
+    problems = storage.verify(root, step) or [f"{storage.step_dir(root, step)}: not committed"]
+    raise ValueError(f"step {step} is not a verified durable checkpoint: {problems[0]}")
+
+
+def _export_step(src: Path, step: int, out: Path, fmt: str) -> None:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    root, _, _ = _dirs(run_dir)
-    if step is None:
-        step, _ = storage.newest_verified(root)
-        if step is None:
-            raise ValueError(f"{root}: no verified durable checkpoint to export")
-    problems = storage.verify(root, step)
-    if problems:
-        raise ValueError(f"step {step} is not a verified durable checkpoint: {problems[0]}")
-    src = storage.step_dir(root, step)
     if fmt == "torch":
         dcp_to_torch_save(src, out)
-        return step
+        return
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -161,7 +219,6 @@ def export(run_dir: Path, step: int | None, out: Path, fmt: str) -> int:
         k: json.dumps(v, default=str) for k, v in flat.items() if not isinstance(v, torch.Tensor)
     }
     save_file(tensors, str(out), metadata={"trainguard_step": str(step), **meta})
-    return step
 
 
 def main(args: argparse.Namespace) -> int:

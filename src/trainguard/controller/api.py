@@ -7,6 +7,7 @@ import enum
 import math
 from typing import Any
 
+from trainguard.checkpoint.archive import check_archive_url
 from trainguard.faults.inject import InjectSpec
 from trainguard.protocol import FaultCause
 
@@ -126,6 +127,19 @@ class JobConfig:
     shm_dir: str = "/dev/shm"  # where snapshot slots live
     keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
     checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints
+    # Cold tier (checkpoint/archive.py): durable steps copied in the background to this URL
+    # (s3://bucket/prefix with s3fs, file:///path, any fsspec URL); None = off. A step is
+    # archived when it is at least archive_every steps after the last archived one (0: every
+    # durable step); the newest archive_keep are kept there. archive_concurrency files (and
+    # ranged reads on restore) at once, archive_mbps MB/s at most (0: no cap). A job whose
+    # hot tier has nothing newer restores the cold tier's newest step before it starts.
+    archive_url: str | None = None
+    archive_endpoint_url: str | None = None  # S3 endpoint (MinIO, moto); default AWS_ENDPOINT_URL
+    archive_every: int = 0
+    archive_keep: int = 3
+    archive_concurrency: int = 8
+    archive_mbps: float = 0.0
+    archive_final_timeout_s: float = 600.0  # at the job's end, the last step's upload may take this
     reboot_delay_s: float = 2.0  # embedded mode: a killed simulated node returns after this
     # A faulty node that is still (or again) reachable is re-checked after recheck_s, then
     # after twice as long each time it fails (at most 600 s), and returns to standby when its
@@ -215,6 +229,14 @@ class JobConfig:
             self.node_timeout_s > 2 * self.heartbeat_s, "node_timeout_s must exceed 2 × heartbeat_s"
         )
         need(self.sdc_grad_ratio == 0 or self.sdc_grad_ratio > 1, "sdc_grad_ratio: 0 (off) or > 1")
+        need(
+            self.archive_every >= 0 and self.archive_keep >= 1 and self.archive_concurrency >= 1
+            and self.archive_mbps >= 0 and self.archive_final_timeout_s > 0,
+            "archive_every >= 0, archive_keep >= 1, archive_concurrency >= 1, archive_mbps >= 0 "
+            "and archive_final_timeout_s > 0 are required",
+        )  # fmt: skip
+        if self.archive_url:
+            check_archive_url(self.archive_url)
         need(self.probe_every_s >= 0, "probe_every_s must be >= 0 (0: no in-job GEMM probe)")
         for spec in self.injects:
             if spec.rank is not None:

@@ -19,6 +19,8 @@ from aiohttp import web
 
 from trainguard import protocol
 from trainguard.checkpoint import fingerprint, storage
+from trainguard.checkpoint.archive import Archive
+from trainguard.checkpoint.archiver import Archiver, restore_newest
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import (
     JobConfig,
@@ -125,6 +127,8 @@ class Controller:
         self.changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
+        self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archiver
+        self._archiver: Archiver | None = None
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
         self._milestones = Milestones()
@@ -213,8 +217,40 @@ class Controller:
         # report latency's tail).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         gc.set_threshold(*GC_THRESHOLDS)
+        if self.cfg.archive_url and not self.check_only:
+            self._cold = asyncio.create_task(self._start_cold_tier(), name="cold-tier")
         self._tick_task = asyncio.create_task(self._tick_loop(), name="controller-tick")
         return self.host, self.port
+
+    async def _start_cold_tier(self) -> None:
+        """Restore the cold tier's newest step into the hot tier if the hot tier has nothing
+        newer (while the agents start: before any process group is up, since the first tick
+        waits for this), then archive in the background."""
+        assert self.cfg.archive_url
+        loop = asyncio.get_running_loop()
+
+        def emit(kind: str, **data: Any) -> None:
+            loop.call_soon_threadsafe(self._cold_event, kind, data)
+
+        archive = Archive(
+            self.cfg.archive_url,
+            endpoint_url=self.cfg.archive_endpoint_url,
+            concurrency=self.cfg.archive_concurrency,
+            mbps=self.cfg.archive_mbps,
+        )
+        root = Path(self.cfg.ckpt_dir)
+        await asyncio.to_thread(restore_newest, archive, root, emit)
+        self._archiver = Archiver(
+            archive, root, every=self.cfg.archive_every, keep=self.cfg.archive_keep, emit=emit
+        )
+        self._archiver.start()
+
+    def _cold_event(self, kind: str, data: dict[str, Any]) -> None:
+        self.store.record(kind, data)
+        if kind in ("archive_failed", "checkpoint_corrupt"):
+            log.warning("cold tier: %s %s", kind, data)
+        elif kind != "archive_pruned":
+            log.info("cold tier: %s %s", kind, data)
 
     async def wait_done(self) -> JobState:
         await self._done.wait()
@@ -226,6 +262,11 @@ class Controller:
     async def close(self) -> None:
         if self._tick_task is not None:
             self._tick_task.cancel()
+        if self._cold is not None and not self._cold.done():
+            self._cold.cancel()  # a restore in flight finishes in its thread, unused
+        if self._archiver is not None:  # the final step reaches the cold tier (bounded)
+            await asyncio.to_thread(self._archiver.close, self.cfg.archive_final_timeout_s)
+            await asyncio.sleep(0)  # its last events reach the store
         self.closing = True  # long polls answer now, so the HTTP server stops at once
         await self._notify()
         if self._runner is not None:
@@ -615,6 +656,11 @@ class Controller:
         # A tenth of the heartbeat, between TICK_S and 1 s: decisions lag a report by at most
         # that, and a lost node is decided within node_timeout_s + 1 s at any size.
         interval = min(1.0, max(TICK_S, self.cfg.heartbeat_s / 10))
+        if self._cold is not None:  # no generation starts before the cold tier's restore
+            try:
+                await self._cold
+            except Exception:
+                log.exception("cold tier: could not start; the job goes on without it")
         while True:
             try:
                 await self._tick()
