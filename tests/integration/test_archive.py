@@ -8,11 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,52 +31,24 @@ from tests.conftest import (
     start_job,
     wait_for,
 )
+from tests.helpers.s3server import CREDENTIALS, free_port, moto_server
 from trainguard.checkpoint import storage
 from trainguard.checkpoint.archive import Archive, ArchiveError
 from trainguard.checkpoint.archiver import Archiver, restore_newest
 from trainguard.checkpoint.checkpointer import Checkpointer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 (its own process, killed at the end); its endpoint."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-                time.sleep(0.1)
+    with moto_server() as endpoint:
         yield endpoint
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture
 def aws(s3: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Credentials and endpoint in the environment (this process and the jobs it starts)."""
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": s3,
-    }.items():
+    for k, v in {**CREDENTIALS, "AWS_ENDPOINT_URL": s3}.items():
         monkeypatch.setenv(k, v)
     return s3
 
@@ -195,7 +165,7 @@ def test_an_unreachable_tier_is_an_event_with_the_fix_and_training_state_is_unto
 ) -> None:
     hot = tmp_path / "ck"
     _steps(hot, 1)
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     seen: list[tuple[str, dict[str, object]]] = []
     dead = Archive("s3://nowhere/job", endpoint_url=closed)
     arch = Archiver(dead, hot, every=0, keep=2, emit=lambda k, **d: seen.append((k, d)), poll_s=0.1)
