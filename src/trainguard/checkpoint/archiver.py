@@ -140,7 +140,9 @@ class Archiver:
         self.last, self._backoff = step, 5.0
         mbps = done["bytes"] / 1e6 / max(done["seconds"], 1e-9)
         self.emit("archive_uploaded", step=step, url=self.archive.url, bytes=done["bytes"],
-                  files=done["files"], seconds=round(done["seconds"], 3), mb_per_s=round(mbps, 1))  # fmt: skip
+                  new_bytes=done["new_bytes"], stored_bytes=done["stored_bytes"],
+                  mode=done["mode"], files=done["files"], seconds=round(done["seconds"], 3),
+                  mb_per_s=round(mbps, 1))  # fmt: skip
         pruned = self.archive.prune(self.keep)
         if pruned:
             self.emit("archive_pruned", steps=pruned, keep=self.keep)

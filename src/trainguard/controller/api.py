@@ -139,6 +139,9 @@ class JobConfig:
     archive_keep: int = 3
     archive_concurrency: int = 8
     archive_mbps: float = 0.0
+    # Chunks compressed when measured to pay against the link (auto), never (off), or always
+    # in one mode (zstd, zstd+shuf4 for fp32 state, zstd+shuf2 for bf16/fp16): codec.py.
+    archive_compress: str = "auto"
     archive_final_timeout_s: float = 600.0  # at the job's end, the last step's upload may take this
     reboot_delay_s: float = 2.0  # embedded mode: a killed simulated node returns after this
     # A faulty node that is still (or again) reachable is re-checked after recheck_s, then
@@ -235,6 +238,11 @@ class JobConfig:
             "archive_every >= 0, archive_keep >= 1, archive_concurrency >= 1, archive_mbps >= 0 "
             "and archive_final_timeout_s > 0 are required",
         )  # fmt: skip
+        need(
+            self.archive_compress in ("auto", "off", "zstd", "zstd+shuf4", "zstd+shuf2"),
+            f"archive_compress = {self.archive_compress!r}: use auto, off, zstd, zstd+shuf4 or "
+            "zstd+shuf2",
+        )
         if self.archive_url:
             check_archive_url(self.archive_url)
         need(self.probe_every_s >= 0, "probe_every_s must be >= 0 (0: no in-job GEMM probe)")

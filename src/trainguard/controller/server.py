@@ -237,6 +237,7 @@ class Controller:
             endpoint_url=self.cfg.archive_endpoint_url,
             concurrency=self.cfg.archive_concurrency,
             mbps=self.cfg.archive_mbps,
+            compress=self.cfg.archive_compress,
         )
         root = Path(self.cfg.ckpt_dir)
         await asyncio.to_thread(restore_newest, archive, root, emit)
