@@ -1,21 +1,21 @@
-"""Cold tier (object storage) upload and restore: trainguard vs s3fs + DCP, one run.
+"""Cold tier (object storage): trainguard vs s3fs + DCP, side by side in one run.
 
 For one committed durable step of ``--size-mb`` (float32 tensors, 8 of them, written by a
-standalone ``Checkpointer``) and a real S3 server (moto's, its own process on loopback; the
-same numbers hold against any endpoint given with ``--endpoint``), this measures:
+standalone ``Checkpointer``) and a real S3 server (moto's, its own process on loopback; or
+any endpoint given with ``--endpoint``), this measures:
 
-- upload: ``Archive.upload`` (streamed, CRC-32C'd against the manifest on the way,
-  ``--concurrency`` files at once, manifest last) vs ``s3fs.put`` of the step directory
-  (recursive, no checksums);
-- restore into live tensors from the cold tier: ``Archive.fetch`` into an empty local
-  directory (ranged reads in flight, checksummed) then ``dcp.load`` from it, vs ``dcp.load``
-  straight from S3 through DCP's own ``FsspecReader`` (no checksums);
-- memcpy of the same bytes: the floor of any restore.
+- full upload: ``Archive.upload`` (chunked, content-addressed, CRC-32C'd, manifest last;
+  compression off) vs ``s3fs.put`` of the plain DCP step directory;
+- incremental upload: the next step of a frozen-backbone fine-tune (``--changed`` of the
+  bytes differ): bytes sent and time, against the full DCP upload of that step;
+- restore into live tensors: ``Archive.fetch`` into an empty local directory (chunks read
+  ``--concurrency`` at once, each checked) then ``dcp.load`` from it, vs ``dcp.load``
+  straight from S3 through DCP's own ``FsspecReader`` (no checksums); memcpy as the floor;
+- compression on the GPT example's real state (model, AdamW moments after a few steps of
+  training, fp32 and bf16): stored/raw ratio and single-core throughput of each codec mode.
 
-Each is the median of ``--repeats`` runs. Prints a table and the ratios (``--json``: one
+Each time is the median of ``--repeats`` runs. Prints a table and the ratios (``--json``: one
 JSON object). Everything it starts (moto) is killed, everything it writes removed.
-
-Not measured here yet (issue 16): incremental steps, compression, standby prefetch.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tests.helpers.s3server import CREDENTIALS, moto_server  # noqa: E402
 
-from trainguard.checkpoint import storage  # noqa: E402
+from trainguard.checkpoint import codec, storage  # noqa: E402
 from trainguard.checkpoint.archive import Archive  # noqa: E402
 from trainguard.checkpoint.checkpointer import Checkpointer  # noqa: E402
 
@@ -64,7 +64,90 @@ def state(size_mb: int) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(n, generator=g) for i in range(8)}
 
 
-def measure(endpoint: str, size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
+def incremental(
+    live: dict[str, torch.Tensor], work: Path, ours: Archive, changed: float, repeats: int
+) -> dict[str, Any]:
+    """Step 2 of a frozen-backbone fine-tune: the last ``changed`` of the tensors' elements
+    trained. Bytes sent and time of trainguard's incremental upload (step 1 already there)
+    against s3fs putting step 2's plain DCP directory."""
+    nxt = {k: v.clone() for k, v in live.items()}
+    keys = sorted(nxt)
+    for k in keys[int(len(keys) * (1 - changed)) :]:
+        nxt[k].add_(0.01)  # the trained head's tensors
+    hot = work / "hot"
+    ck = Checkpointer(hot, durable_every=1, memory_tier=False, keep=3)
+    ck.save(2, nxt)
+    ck.close()
+    step = storage.step_dir(hot, 2)
+    fs = ours.fs
+    sizes: list[dict[str, Any]] = []
+
+    def drop_step2() -> None:
+        ours.delete(2)
+        ours.sweep()  # step 2's own chunks go; step 1's stay
+
+    t_inc = median_s(lambda: sizes.append(ours.upload(step, 2)), repeats, drop_step2)
+    t_full = median_s(
+        lambda: fs.put(str(step) + "/", "bench/peer/step_2/", recursive=True),
+        repeats,
+        lambda: (
+            fs.rm("bench/peer/step_2", recursive=True) if fs.exists("bench/peer/step_2") else None
+        ),
+    )
+    full = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    sent = statistics.median(d["stored_bytes"] for d in sizes)
+    return {
+        "changed": changed,
+        "bytes": {"trainguard": int(sent), "full_dcp": full},
+        "seconds": {"trainguard": round(t_inc, 3), "full_dcp_put": round(t_full, 3)},
+        "ratios": {"bytes": round(sent / full, 3), "time": round(t_inc / t_full, 3)},
+    }
+
+
+def gpt_state(dtype: torch.dtype) -> bytes:
+    """The GPT example's model and AdamW state after 5 steps on its corpus, as bytes."""
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from data import load_corpus  # type: ignore[import-not-found]
+    from model import GPT, GPTConfig  # type: ignore[import-not-found]
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = load_corpus(None, 1 << 20).long()
+    for i in range(5):
+        idx = torch.stack([data[j : j + 64] for j in range(i * 8, i * 8 + 8)])
+        tgt = torch.stack([data[j + 1 : j + 65] for j in range(i * 8, i * 8 + 8)])
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    tensors = list(model.state_dict().values())
+    tensors += [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    return b"".join(
+        t.detach().to(dtype).contiguous().view(torch.uint8).numpy().tobytes() for t in tensors
+    )
+
+
+def compression() -> dict[str, Any]:
+    """Stored/raw ratio and single-core MB/s of each mode on the GPT example's state."""
+    out: dict[str, Any] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        raw = gpt_state(dtype)
+        chunks = [raw[i : i + codec.CHUNK_SAMPLE] for i in range(0, len(raw), codec.CHUNK_SAMPLE)]
+        c = codec.Chooser()
+        c.measure(chunks)
+        out[name] = {
+            "mb": round(len(raw) / 1e6, 1),
+            **{
+                m.name.lower(): {"ratio": round(r, 3), "mb_per_s": round(v / 1e6)}
+                for m, (r, v) in c.sample.items()
+            },
+        }
+    return out
+
+
+def measure(
+    endpoint: str, size_mb: int, repeats: int, concurrency: int, changed: float
+) -> dict[str, Any]:
     os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
     work = Path(tempfile.mkdtemp(prefix="tg-bench-storage-"))
     try:
@@ -75,7 +158,7 @@ def measure(endpoint: str, size_mb: int, repeats: int, concurrency: int) -> dict
         ck.close()
         step = storage.step_dir(hot, 1)
         nbytes = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
-        ours = Archive("s3://bench/ours", concurrency=concurrency)
+        ours = Archive("s3://bench/ours", concurrency=concurrency, compress="off")
         ours.fs.mkdir("bench")
         fs = ours.fs
 
@@ -110,6 +193,7 @@ def measure(endpoint: str, size_mb: int, repeats: int, concurrency: int) -> dict
         assert all(torch.equal(target[k], live[k]) for k in live), "restore differs"
         restore_peer = median_s(peer_restore, repeats)
         memcpy = median_s(lambda: [target[k].copy_(v) for k, v in live.items()], repeats)
+        inc = incremental(live, work, ours, changed, repeats)
         return {
             "size_mb": round(nbytes / 1e6, 1),
             "concurrency": concurrency,
@@ -125,6 +209,7 @@ def measure(endpoint: str, size_mb: int, repeats: int, concurrency: int) -> dict
                 "restore_vs_memcpy": round(restore_ours / memcpy, 1),
             },
             "restore_mb_per_s": round(nbytes / 1e6 / restore_ours, 1),
+            "incremental": inc,
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -135,15 +220,18 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--changed", type=float, default=0.1, help="incremental: share trained")
     ap.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    run = (args.size_mb, args.repeats, args.concurrency, args.changed)
     if args.endpoint:
-        out = measure(args.endpoint, args.size_mb, args.repeats, args.concurrency)
+        out = measure(args.endpoint, *run)
     else:
         with moto_server() as endpoint:
-            out = measure(endpoint, args.size_mb, args.repeats, args.concurrency)
+            out = measure(endpoint, *run)
+    out["compression"] = compression()
     if args.json:
         print(json.dumps(out))
         return
@@ -151,6 +239,11 @@ def main() -> None:
     for what, row in (("upload", out["upload_s"]), ("restore", out["restore_s"])):
         print(f"  {what:8s} " + "  ".join(f"{k} {v:.3f}s" for k, v in row.items()))
     print("  ratios  " + "  ".join(f"{k} {v}" for k, v in out["ratios"].items()))
+    inc = out["incremental"]
+    print(f"  incremental ({inc['changed']:.0%} changed): bytes {inc['bytes']}, "
+          f"seconds {inc['seconds']}, ratios {inc['ratios']}")  # fmt: skip
+    for dt, row in out["compression"].items():
+        print(f"  compression {dt} ({row.pop('mb')} MB): {row}")
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ class Archive:
                     stats["new_bytes"] += len(raw)
                     stats["new_chunks"] += 1
                     if self.chooser.policy == "auto" and not self.chooser.sample:
-                        self.chooser.measure([raw[: 4 << 20]])
+                        self.chooser.measure([raw[: codec.CHUNK_SAMPLE]])
                     inflight.append(pool.submit(put, addr, raw))
                     while len(inflight) >= 2 * self.concurrency:  # bounded memory
                         inflight.popleft().result()
