@@ -26,6 +26,7 @@ from tests.conftest import (
     finish_job,
     losses,
     reached_step,
+    report,
     run_job,
     start_job,
     wait_for,
@@ -96,12 +97,12 @@ def test_archived_steps_restore_bit_for_bit_after_the_hot_tier_is_wiped(
     assert a.prune(2) == [1] and a.list_steps() == [2, 3]
     shutil.rmtree(hot)
     seen: list[tuple[str, dict[str, object]]] = []
-    assert restore_newest(a, hot, lambda k, **d: seen.append((k, d))) == 3
+    assert restore_newest([a], hot, lambda k, **d: seen.append((k, d))) == 3
     assert [k for k, _ in seen] == ["archive_restore_started", "archive_restored"]
     assert storage.list_committed(hot) == [3] and storage.verify(hot, 3) == []
     assert torch.equal(_load(storage.step_dir(hot, 3)), written[3])  # plain dcp.load reads it
     # The hot tier already holds the newest: nothing is copied again.
-    assert restore_newest(a, hot, lambda k, **d: seen.append((k, d))) is None
+    assert restore_newest([a], hot, lambda k, **d: seen.append((k, d))) is None
 
 
 def test_a_killed_upload_is_never_listed_and_the_previous_step_restores(
@@ -137,7 +138,7 @@ def test_a_killed_upload_is_never_listed_and_the_previous_step_restores(
     assert a.sweep() >= 1  # the killed upload's orphan chunks; step 1's stay
     assert a.verify(1) == []
     shutil.rmtree(hot)
-    assert restore_newest(a, hot, lambda k, **d: None) == 1
+    assert restore_newest([a], hot, lambda k, **d: None) == 1
     assert torch.equal(_load(storage.step_dir(hot, 1), 4 << 20), written[1])
 
 
@@ -160,13 +161,34 @@ def test_a_deleted_or_rewritten_archived_file_is_refused_and_an_older_step_resto
         a.fetch(3, tmp_path / "elsewhere")
     shutil.rmtree(hot)
     seen: list[tuple[str, dict[str, object]]] = []
-    assert restore_newest(a, hot, lambda k, **d: seen.append((k, d))) == 1
+    assert restore_newest([a], hot, lambda k, **d: seen.append((k, d))) == 1
     corrupt = [d["step"] for k, d in seen if k == "checkpoint_corrupt"]
     assert corrupt == [3, 2] and all(
         d["tier"] == "archive" for k, d in seen if k == "checkpoint_corrupt"
     )
     assert storage.list_committed(hot) == [1] and not list(hot.glob(".tmp-*"))
     assert torch.equal(_load(storage.step_dir(hot, 1)), written[1])
+
+
+def test_a_damaged_copy_is_replaced_by_another_targets_copy_of_the_same_step(
+    aws: str, tmp_path: Path
+) -> None:
+    """Two targets (buckets in separate failure domains) hold step 2; the first's copy lost a
+    chunk: the restore takes the same step from the second, not an older step."""
+    hot = tmp_path / "ck"
+    written = _steps(hot, 1, 2)
+    zones = [_bucket("zone-a"), _bucket("zone-b")]
+    for a in zones:
+        for step in (1, 2):
+            a.upload(storage.step_dir(hot, step), step)
+    zones[0].fs.rm_file(zones[0].chunk_path(_data_chunk(zones[0], 2)))
+    shutil.rmtree(hot)
+    seen: list[tuple[str, dict[str, object]]] = []
+    assert restore_newest(zones, hot, lambda k, **d: seen.append((k, d))) == 2
+    bad = [d for k, d in seen if k == "checkpoint_corrupt"]
+    assert [(d["step"], d["url"]) for d in bad] == [(2, "s3://zone-a/job")], bad
+    assert next(d["url"] for k, d in seen if k == "archive_restored") == "s3://zone-b/job"
+    assert torch.equal(_load(storage.step_dir(hot, 2)), written[2])
 
 
 def test_an_unreachable_tier_is_an_event_with_the_fix_and_training_state_is_untouched(
@@ -189,7 +211,7 @@ def test_an_unreachable_tier_is_an_event_with_the_fix_and_training_state_is_unto
     assert closed in reason or "nowhere" in reason, reason
     assert "check archive_url" in reason and "\n" not in reason, reason
     assert storage.list_committed(hot) == [1] and storage.verify(hot, 1) == []
-    assert restore_newest(dead, tmp_path / "other", lambda k, **d: seen.append((k, d))) is None
+    assert restore_newest([dead], tmp_path / "other", lambda k, **d: seen.append((k, d))) is None
     missing = Archive("s3://no-such-bucket/job")  # a reachable server, a wrong bucket
     with pytest.raises(ArchiveError, match="no-such-bucket"):
         missing.upload(storage.step_dir(hot, 1), 1)
@@ -281,7 +303,11 @@ def test_a_stopped_job_resumes_from_the_cold_tier_on_an_empty_disk_with_the_same
     run that was never interrupted, step for step."""
     reference = fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
     _bucket("job")
-    config = FAST_CONFIG + 'archive_url = "s3://job/run"\narchive_every = 20\narchive_keep = 2\n'
+    _bucket("job-zone-b")
+    config = FAST_CONFIG + (
+        'archive_url = ["s3://job/run", "s3://job-zone-b/run"]\narchive_copies = 2\n'
+        "archive_every = 20\narchive_keep = 2\n"
+    )
     run = tmp_path / "run"
     proc = start_job(run, ["--nodes", "2"], ARGS, config=config)
     try:
@@ -294,9 +320,12 @@ def test_a_stopped_job_resumes_from_the_cold_tier_on_an_empty_disk_with_the_same
             proc.communicate()
     assert code == 128 + signal.SIGTERM, err[-3000:]
     evs = events(run)
-    uploaded = [e["step"] for e in evs if e["kind"] == "archive_uploaded"]
     saved = next(e["saved_step"] for e in evs if e["kind"] == "planned_stop")
-    assert uploaded and uploaded[-1] == saved >= 35, (uploaded, saved)
+    for url in ("s3://job/run", "s3://job-zone-b/run"):
+        uploaded = [e["step"] for e in evs if e["kind"] == "archive_uploaded" and e["url"] == url]
+        assert uploaded and uploaded[-1] == saved >= 35, (url, uploaded, saved)
+    durable = [e["step"] for e in evs if e["kind"] == "archive_durable"]
+    assert durable[-1] == saved and len(durable) == len(set(durable)), durable
     assert Archive("s3://job/run").list_steps()[-1] == saved
     shutil.rmtree(run / "checkpoints")
     res = run_job(run, ["--nodes", "2"], ARGS, config=config, timeout=300)
@@ -304,6 +333,9 @@ def test_a_stopped_job_resumes_from_the_cold_tier_on_an_empty_disk_with_the_same
     evs = events(run)
     assert [e["step"] for e in evs if e["kind"] == "archive_restored"] == [saved]
     assert losses(run) == reference
+    arc = report(run)["archive"]
+    assert arc["restored"] == [saved] and arc["newest_durable"] == 60 and arc["failures"] == 0, arc
+    assert 0 < arc["sent_bytes"] <= arc["step_bytes"] + 1024, arc
 
 
 def test_ckpt_ls_verify_and_export_cover_the_archive_tier(aws: str, tmp_path: Path) -> None:

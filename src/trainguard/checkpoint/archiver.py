@@ -91,7 +91,8 @@ class Archiver:
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
             self._stop.set()
-            self.emit("archive_failed", step=None, reason=f"final upload unfinished after {timeout_s:.0f}s",
+            self.emit("archive_failed", step=None, url=self.archive.url,
+                      reason=f"final upload unfinished after {timeout_s:.0f}s",
                       hint="raise archive_final_timeout_s, or copy with: trainguard ckpt ls")  # fmt: skip
             self._thread.join(timeout=30.0)
 
@@ -124,7 +125,8 @@ class Archiver:
             self._upload(step)
         except ArchiveError as e:
             self._retry_at = time.monotonic() + self._backoff
-            self.emit("archive_failed", step=None, reason=str(e), retry_in_s=self._backoff)
+            self.emit("archive_failed", step=None, url=self.archive.url, reason=str(e),
+                      retry_in_s=self._backoff)  # fmt: skip
             self._backoff = min(300.0, self._backoff * 2)
 
     def _upload(self, step: int) -> None:
@@ -148,29 +150,33 @@ class Archiver:
             self.emit("archive_pruned", steps=pruned, keep=self.keep)
 
 
-def restore_newest(archive: Archive, root: Path, emit: Emit) -> int | None:
-    """Before a job starts: when the cold tier holds a step newer than every committed step
+def restore_newest(archives: list[Archive], root: Path, emit: Emit) -> int | None:
+    """Before a job starts: when a cold target holds a step newer than every committed step
     of the hot tier (a wiped or new local disk), copy the newest one that verifies into the
-    hot tier. A step that fails (missing file, bad checksum) is an event and the next older
-    one is tried; an unreachable tier is an event and the job starts from the hot tier.
-    Returns the step restored, or None."""
+    hot tier, from whichever target holds a good copy. A copy that fails (missing chunk, bad
+    checksum) is an event and the next target, then the next older step, is tried; an
+    unreachable target is an event and the others serve. Returns the step restored, or None."""
     hot = storage.list_committed(root)
-    try:
-        cold = [s for s in archive.list_steps() if not hot or s > hot[-1]]
-    except ArchiveError as e:
-        emit("archive_failed", step=None, reason=str(e))
-        return None
-    root.mkdir(parents=True, exist_ok=True)
-    for step in reversed(cold):
-        t0 = time.monotonic()
-        emit("archive_restore_started", step=step, url=archive.url)
+    held: dict[int, list[Archive]] = {}
+    for a in archives:
         try:
-            path = archive.fetch(step, root)
+            for s in a.list_steps():
+                if not hot or s > hot[-1]:
+                    held.setdefault(s, []).append(a)
         except ArchiveError as e:
-            emit("checkpoint_corrupt", step=step, tier="archive", problems=[str(e)])
-            continue
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        took = time.monotonic() - t0
-        emit("archive_restored", step=step, bytes=size, seconds=round(took, 3))
-        return step
+            emit("archive_failed", step=None, url=a.url, reason=str(e))
+    root.mkdir(parents=True, exist_ok=True)
+    for step in sorted(held, reverse=True):
+        for a in held[step]:
+            t0 = time.monotonic()
+            emit("archive_restore_started", step=step, url=a.url)
+            try:
+                path = a.fetch(step, root)
+            except ArchiveError as e:
+                emit("checkpoint_corrupt", step=step, tier="archive", url=a.url, problems=[str(e)])
+                continue
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            took = time.monotonic() - t0
+            emit("archive_restored", step=step, url=a.url, bytes=size, seconds=round(took, 3))
+            return step
     return None

@@ -51,33 +51,32 @@ def _dirs(run_dir: Path) -> tuple[Path, Path, str]:
     return root, Path(cfg.get("shm_dir") or "/dev/shm"), job
 
 
-def _archive(run_dir: Path) -> Any:
-    """The run's cold tier (``archive.Archive``), or None when it has none."""
+def _archives(run_dir: Path) -> list[Any]:
+    """The run's cold tier targets (``archive.Archive``), [] when it has none."""
     cfg = _config(run_dir)
-    if not cfg.get("archive_url"):
-        return None
+    urls = cfg.get("archive_url") or []
     from trainguard.checkpoint.archive import Archive
 
-    return Archive(cfg["archive_url"], endpoint_url=cfg.get("archive_endpoint_url"))
+    end = cfg.get("archive_endpoint_url")
+    return [Archive(u, endpoint_url=end) for u in ([urls] if isinstance(urls, str) else urls)]
 
 
 def _archive_rows(run_dir: Path, verify: bool) -> list[dict[str, Any]]:
     from trainguard.checkpoint.archive import ArchiveError
 
-    a = _archive(run_dir)
-    if a is None:
-        return []
-    row = {"tier": "archive", "where": a.url, "generation": None}
-    try:
-        steps = a.list_steps()
-    except ArchiveError as e:
-        return [{**row, "step": None, "state": "unreachable", "detail": [str(e)]}]
     rows = []
-    for step in steps:
-        problems = a.verify(step) if verify else []
-        state = "corrupt" if problems else ("verified" if verify else "uploaded")
-        rows.append({**row, "step": step, "where": f"{a.url}/step_{step}", "state": state,
-                     "detail": problems})  # fmt: skip
+    for a in _archives(run_dir):
+        row = {"tier": "archive", "where": a.url, "generation": None}
+        try:
+            steps = a.list_steps()
+        except ArchiveError as e:
+            rows.append({**row, "step": None, "state": "unreachable", "detail": [str(e)]})
+            continue
+        for step in steps:
+            problems = a.verify(step) if verify else []
+            state = "corrupt" if problems else ("verified" if verify else "uploaded")
+            rows.append({**row, "step": step, "where": f"{a.url}/step_{step}", "state": state,
+                         "detail": problems})  # fmt: skip
     return rows
 
 
@@ -172,15 +171,18 @@ def _export_source(run_dir: Path, root: Path, step: int | None, cold: Path) -> t
     hot = storage.newest_verified(root)[0] if step is None else step
     if hot is not None and hot in storage.list_committed(root) and not storage.verify(root, hot):
         return hot, root
-    a = _archive(run_dir)
-    try:
-        archived = a.list_steps() if a is not None else []
-        want = archived[-1] if step is None and archived else step
-        if want is not None and want in archived:
-            a.fetch(want, cold)
-            return want, cold
-    except ArchiveError as e:
-        raise ValueError(f"{e}") from None
+    problems: list[str] = []
+    for a in _archives(run_dir):
+        try:
+            archived = a.list_steps()
+            want = archived[-1] if step is None and archived else step
+            if want is not None and want in archived:
+                a.fetch(want, cold)
+                return want, cold
+        except ArchiveError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError(problems[0])
     if step is None:
         raise ValueError(f"{root}: no verified durable checkpoint to export")
     problems = storage.verify(root, step) or [f"{storage.step_dir(root, step)}: not committed"]

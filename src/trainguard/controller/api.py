@@ -128,12 +128,15 @@ class JobConfig:
     keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
     checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints
     # Cold tier (checkpoint/archive.py): durable steps copied in the background to this URL
-    # (s3://bucket/prefix with s3fs, file:///path, any fsspec URL); None = off. A step is
+    # (s3://bucket/prefix with s3fs, file:///path, any fsspec URL), or to each URL of a list
+    # (separate failure domains: buckets in other zones); None = off. A step counts as
+    # archived (event archive_durable) once archive_copies of them verified a copy. A step is
     # archived when it is at least archive_every steps after the last archived one (0: every
     # durable step); the newest archive_keep are kept there. archive_concurrency files (and
     # ranged reads on restore) at once, archive_mbps MB/s at most (0: no cap). A job whose
     # hot tier has nothing newer restores the cold tier's newest step before it starts.
-    archive_url: str | None = None
+    archive_url: str | list[str] | None = None
+    archive_copies: int = 1
     archive_endpoint_url: str | None = None  # S3 endpoint (MinIO, moto); default AWS_ENDPOINT_URL
     archive_every: int = 0
     archive_keep: int = 3
@@ -243,8 +246,13 @@ class JobConfig:
             f"archive_compress = {self.archive_compress!r}: use auto, off, zstd, zstd+shuf4 or "
             "zstd+shuf2",
         )
-        if self.archive_url:
-            check_archive_url(self.archive_url)
+        for url in self.archive_urls:
+            check_archive_url(url)
+        need(
+            not self.archive_urls or 1 <= self.archive_copies <= len(self.archive_urls),
+            f"archive_copies = {self.archive_copies}: between 1 and the {len(self.archive_urls)} "
+            "archive_url targets",
+        )
         need(self.probe_every_s >= 0, "probe_every_s must be >= 0 (0: no in-job GEMM probe)")
         for spec in self.injects:
             if spec.rank is not None:
@@ -258,6 +266,12 @@ class JobConfig:
                     spec.node < top,
                     f"--inject {spec.describe()}: node out of range 0..{top - 1}",
                 )
+
+    @property
+    def archive_urls(self) -> list[str]:
+        """The cold tier's targets ([] = none)."""
+        url = self.archive_url
+        return [] if not url else [url] if isinstance(url, str) else list(url)
 
     @property
     def ckpt_dir(self) -> str:

@@ -128,7 +128,8 @@ class Controller:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archiver
-        self._archiver: Archiver | None = None
+        self._archivers: list[Archiver] = []
+        self._copies: dict[int, set[str]] = {}  # step → cold targets that hold it verified
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
         self._milestones = Milestones()
@@ -217,7 +218,7 @@ class Controller:
         # report latency's tail).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         gc.set_threshold(*GC_THRESHOLDS)
-        if self.cfg.archive_url and not self.check_only:
+        if self.cfg.archive_urls and not self.check_only:
             self._cold = asyncio.create_task(self._start_cold_tier(), name="cold-tier")
         self._tick_task = asyncio.create_task(self._tick_loop(), name="controller-tick")
         return self.host, self.port
@@ -225,29 +226,33 @@ class Controller:
     async def _start_cold_tier(self) -> None:
         """Restore the cold tier's newest step into the hot tier if the hot tier has nothing
         newer (while the agents start: before any process group is up, since the first tick
-        waits for this), then archive in the background."""
-        assert self.cfg.archive_url
+        waits for this), then archive to each target in the background, one thread each."""
         loop = asyncio.get_running_loop()
 
         def emit(kind: str, **data: Any) -> None:
             loop.call_soon_threadsafe(self._cold_event, kind, data)
 
-        archive = Archive(
-            self.cfg.archive_url,
-            endpoint_url=self.cfg.archive_endpoint_url,
-            concurrency=self.cfg.archive_concurrency,
-            mbps=self.cfg.archive_mbps,
-            compress=self.cfg.archive_compress,
-        )
-        root = Path(self.cfg.ckpt_dir)
-        await asyncio.to_thread(restore_newest, archive, root, emit)
-        self._archiver = Archiver(
-            archive, root, every=self.cfg.archive_every, keep=self.cfg.archive_keep, emit=emit
-        )
-        self._archiver.start()
+        cfg = self.cfg
+        archives = [
+            Archive(url, endpoint_url=cfg.archive_endpoint_url, concurrency=cfg.archive_concurrency,
+                    mbps=cfg.archive_mbps, compress=cfg.archive_compress)
+            for url in cfg.archive_urls
+        ]  # fmt: skip
+        root = Path(cfg.ckpt_dir)
+        await asyncio.to_thread(restore_newest, archives, root, emit)
+        for a in archives:
+            arch = Archiver(a, root, every=cfg.archive_every, keep=cfg.archive_keep, emit=emit)
+            arch.start()
+            self._archivers.append(arch)
 
     def _cold_event(self, kind: str, data: dict[str, Any]) -> None:
         self.store.record(kind, data)
+        if kind == "archive_uploaded":  # archived once archive_copies targets verified it
+            held = self._copies.setdefault(int(data["step"]), set())
+            held.add(str(data["url"]))
+            if len(held) == self.cfg.archive_copies:
+                self.store.record("archive_durable", {"step": data["step"], "copies": sorted(held)})
+                self._copies = {st: u for st, u in self._copies.items() if st > data["step"]}
         if kind in ("archive_failed", "checkpoint_corrupt"):
             log.warning("cold tier: %s %s", kind, data)
         elif kind != "archive_pruned":
@@ -265,9 +270,10 @@ class Controller:
             self._tick_task.cancel()
         if self._cold is not None and not self._cold.done():
             self._cold.cancel()  # a restore in flight finishes in its thread, unused
-        if self._archiver is not None:  # the final step reaches the cold tier (bounded)
-            await asyncio.to_thread(self._archiver.close, self.cfg.archive_final_timeout_s)
-            await asyncio.sleep(0)  # its last events reach the store
+        if self._archivers:  # the final step reaches every cold target (bounded, in parallel)
+            limit = self.cfg.archive_final_timeout_s
+            await asyncio.gather(*(asyncio.to_thread(a.close, limit) for a in self._archivers))
+            await asyncio.sleep(0)  # their last events reach the store
         self.closing = True  # long polls answer now, so the HTTP server stops at once
         await self._notify()
         if self._runner is not None:

@@ -27,6 +27,22 @@ PHASES = RECOVERY_PHASES
 ONE_SHOT = ("kill", "exit", "hang", "node-down", "hang-collective")  # drills that report firing
 
 
+def _archive(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cold tier's account: uploads, bytes sent against the steps' bytes (incremental
+    and compressed), the newest step with the required copies, restores, failures."""
+    up = [e for e in events if e["kind"] == "archive_uploaded"]
+    return {
+        "uploads": len(up),
+        "step_bytes": sum(int(e.get("bytes", 0)) for e in up),
+        "sent_bytes": sum(int(e.get("stored_bytes", 0)) for e in up),
+        "newest_durable": max(
+            (e["step"] for e in events if e["kind"] == "archive_durable"), default=None
+        ),
+        "restored": [e["step"] for e in events if e["kind"] == "archive_restored"],
+        "failures": sum(1 for e in events if e["kind"] == "archive_failed"),
+    }
+
+
 def _sdc(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each silent data corruption: where it was seen, the culprits, the last agreeing step,
     the point the next generation restored and the steps it recomputed."""
@@ -198,6 +214,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             if e["kind"] == "planned_stop"
         ],
         "alerts": alerts,
+        "archive": _archive(events),
         "sdc": _sdc(events),
         "at_risk": [
             {k: e.get(k) for k in ("node", "reason", "action")}
@@ -261,6 +278,14 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         con.print(
             f"planned stop of generation {p['generation']} ({p['why']}): last step "
             f"{p['last_step']}, saved step {p['saved_step']}, steps lost {p['steps_lost']}"
+        )
+    arc = rep["archive"]
+    if arc["uploads"] or arc["failures"] or arc["restored"]:
+        con.print(
+            f"cold tier: {arc['uploads']} upload(s), {arc['sent_bytes'] / 1e6:.1f} MB sent for "
+            f"{arc['step_bytes'] / 1e6:.1f} MB of steps; newest archived step "
+            f"{arc['newest_durable']}; restored from it: {arc['restored'] or 'none'}; "
+            f"failures: {arc['failures']}"
         )
     for d in rep["drills"]:
         con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
