@@ -1,0 +1,131 @@
+"""Seeing a job (issue 17): Prometheus metrics scraped and parsed with prometheus_client's own
+parser, the live dashboard and the HTML report rendered by a real headless Chromium (Debian's
+``chromium``), all on one real job with a worker SIGKILLed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import FAST_CONFIG, ROOT, TINY, events, finish_job, start_job, wait_for
+from tests.helpers.browser import chromium, dom, screenshot
+from tests.helpers.s3server import free_port
+
+ARTIFACTS = Path(os.environ.get("TRAINGUARD_ARTIFACTS", "/tmp/trainguard-artifacts"))
+SCREENSHOTS = ROOT / "docs"  # the README's pictures, refreshed by this test
+
+
+def _scrape(port: int, token: str | None = None) -> dict[str, list[tuple[dict[str, str], float]]]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def _body(html: str) -> dict[str, str]:
+    tag = re.search(r"<body([^>]*)>", html)
+    assert tag is not None, html[:500]
+    return dict(re.findall(r'data-([a-z-]+)="([^"]*)"', tag.group(1)))
+
+
+@pytest.mark.slow  # one real job, a headless browser (CI's slow run)
+@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_metrics_dashboard_and_html_report_show_a_recovery(tmp_path: Path) -> None:
+    port = free_port()
+    config = FAST_CONFIG + f'metrics_bind = "127.0.0.1:{port}"\nmetrics_open = true\n'
+    run = tmp_path / "run"
+    args = [*TINY, "--steps", "100000", "--durable-every", "10"]
+    job = start_job(
+        run, ["--nodes", "2", "--nproc-per-node", "2", "--inject", "kill:rank=1:step=20"], args,
+        config=config,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: any(e["kind"] == "recovery_completed" for e in events(run)), 180, "a recovery"
+        )
+        wait_for(lambda: _scrape(port).get("trainguard_straggler_score"), 120, "straggler scores")
+        m = _scrape(port)  # no token: metrics_open on the metrics address
+        value = {name: samples[0][1] for name, samples in m.items() if len(samples) == 1}
+        assert value["trainguard_restarts_total"] >= 1
+        assert {lab["cause"] for lab, _ in m["trainguard_faults_total"]} == {"crash"}
+        phases = {lab["phase"]: v for lab, v in m["trainguard_recovery_phase_seconds_count"]}
+        assert phases.get("total", 0) >= 1 and phases.get("detect", 0) >= 1, phases
+        assert 0 < value["trainguard_goodput_ratio"] <= 1
+        assert value["trainguard_steps_per_second"] > 0
+        assert value["trainguard_checkpoint_save_stall_seconds"] >= 0
+        assert value["trainguard_checkpoint_save_stalled_seconds_total"] > 0
+        assert 0 <= value["trainguard_checkpoint_durable_lag_steps"] <= 40
+        tiers = {lab["tier"]: v for lab, v in m["trainguard_checkpoint_bytes"]}
+        assert tiers.get("durable", 0) > 10_000, tiers
+        assert len(m["trainguard_straggler_score"]) == 4
+        pools = {lab["pool"]: v for lab, v in m["trainguard_nodes"]}
+        assert pools["running"] == 2
+        # The Grafana dashboard in the repo asks only for metrics the controller exports.
+        grafana = json.loads((ROOT / "deploy" / "grafana" / "trainguard.json").read_text())
+        asked = {
+            name
+            for p in grafana["panels"]
+            for t in p["targets"]
+            for name in re.findall(r"\b(trainguard_[a-z_]+)", t["expr"])
+        }
+        exported = {n for n in m} | {re.sub(r"_(bucket|count|sum)$", "", n) for n in m}
+        assert asked and asked <= exported, asked - exported
+        # The job's API still wants its token for /metrics; the view token reads, never writes.
+        addr = json.loads((run / "controller.json").read_text())["addr"]
+        api = int(addr.rsplit(":", 1)[1])
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            _scrape(api)
+        view_token = (run / "view-token").read_text().strip()
+        assert _scrape(api, view_token)["trainguard_restarts_total"]
+        stop = urllib.request.Request(f"http://{addr}/v1/stop", method="POST", data=b"{}")
+        stop.add_header("Authorization", f"Bearer {view_token}")
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(stop, timeout=10)
+        # The live dashboard, logged in through the URL fragment (never sent to the server).
+        url = f"http://{addr}/#token={view_token}"
+        html, log = dom(url)
+        body = _body(html)
+        assert body["errors"] == "0" and "Uncaught" not in log, log[-2000:]
+        assert int(body["loss-points"]) > 0 and int(body["recoveries"]) >= 1, body
+        assert html.count('class="pool-running"') == 2, html[-3000:]
+        assert 'class="main-svg"' in html  # plotly drew the charts
+        shot = screenshot(url, ARTIFACTS / "dashboard.png")
+        assert view_token not in (run / "events.jsonl").read_text()
+    finally:
+        if job.poll() is None:
+            job.send_signal(signal.SIGTERM)
+        code, err = finish_job(job, timeout=120)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    # The post-mortem: one self-contained file, opened from disk with no server.
+    report = tmp_path / "report.html"
+    res = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", "--run-dir", str(run), "--html", str(report)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    text = report.read_text()
+    assert "<script src=" not in text and "<link" not in text  # nothing fetched: works offline
+    html, log = dom(report.as_uri())
+    body = _body(html)
+    assert body["errors"] == "0" and int(body["loss-points"]) > 0, (body, log[-2000:])
+    assert int(body["recoveries"]) >= 1 and 'class="main-svg"' in html
+    report_shot = screenshot(report.as_uri(), ARTIFACTS / "report.png")
+    if os.environ.get("TRAINGUARD_UPDATE_SCREENSHOTS"):
+        SCREENSHOTS.mkdir(exist_ok=True)
+        (SCREENSHOTS / "dashboard.png").write_bytes(shot.read_bytes())
+        (SCREENSHOTS / "report.png").write_bytes(report_shot.read_bytes())
