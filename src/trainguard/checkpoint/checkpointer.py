@@ -307,6 +307,13 @@ class Checkpointer:
         """
         if step < 0:
             raise ValueError(f"save(step={step}): steps are >= 0")
+        t0 = time.perf_counter()
+        try:
+            self._save(step, state, durable)
+        finally:  # the step's stall, as its "checkpoint" section (goodput, /metrics)
+            self._rt.add_time("checkpoint", time.perf_counter() - t0)
+
+    def _save(self, step: int, state: dict[str, Any], durable: bool | None) -> None:
         drill = self._rt.sdc_drill(step)  # an injected silent corruption (tests, drills)
         if drill is not None:
             among = sdc.state_pointers(self._optimizers, drill.target) if self._optimizers else None
@@ -449,7 +456,10 @@ class Checkpointer:
         """Block until the last background copy is in memory (its notification to the
         persister may still be in flight): the optimizer may then write the parameters.
         Raises CheckpointError if the copy failed or took longer than ``timeout_s``."""
-        if not self._copied.wait(timeout_s):
+        t0 = time.perf_counter()
+        copied = self._copied.wait(timeout_s)
+        self._rt.add_time("checkpoint", time.perf_counter() - t0)  # a stall of the step too
+        if not copied:
             raise CheckpointError(f"the snapshot copy did not finish within {timeout_s:.0f}s")
         if self._copy_error is not None:
             self.wait_staged()

@@ -151,6 +151,11 @@ def verify(root: Path, step: int) -> list[str]:
     return problems
 
 
+def step_bytes(root: Path, step: int) -> int:
+    """Bytes of a committed step's files, from its manifest (0 if unreadable)."""
+    return sum(int(w["size"]) for w in _manifest(root, step)[1].values())
+
+
 def verify_for_load(root: Path, step: int) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """What a restore checks before it reads a step (``reader.VerifyingReader`` checks the
     data files' checksums as it reads them): the manifest, every file present with its size,

@@ -16,13 +16,19 @@ import dataclasses
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 from pathlib import Path
 
 from trainguard.checkpoint import storage
-from trainguard.cli.run import _lock_run_dir, build_config, finish, previous_run
+from trainguard.cli.run import (
+    VIEW_TOKEN,
+    _lock_run_dir,
+    build_config,
+    finish,
+    previous_run,
+    read_or_create_token,
+)
 from trainguard.controller.api import JobConfig
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.server import Controller
@@ -36,26 +42,6 @@ def parse_bind(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"--bind {text!r}: give HOST:PORT, e.g. 10.0.0.1:29400 (port 0: any)")
     return host, int(port)
-
-
-def read_or_create_token(path: Path) -> str:
-    """The job token in ``path``; a new random one is written there (0600) if it is missing."""
-    if path.exists():
-        token = path.read_text().strip()
-        try:
-            ok = len(bytes.fromhex(token)) >= 8
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"token file {path} holds no job token (16+ hex digits); delete it to have one made"
-            )
-        return token
-    token = secrets.token_hex(16)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return token
 
 
 async def _serve(
@@ -72,7 +58,7 @@ async def _serve(
     leftovers = storage.clean_leftovers(Path(cfg.ckpt_dir)) if rerun_of is not None else {}
     controller = Controller(
         cfg, token, store, host=host, port=port, resume=resume, rerun_of=rerun_of,
-        leftovers=leftovers,
+        leftovers=leftovers, view_token=read_or_create_token(Path(cfg.run_dir) / VIEW_TOKEN),
     )  # fmt: skip
     host, port = await controller.start()
     info = Path(cfg.run_dir) / "controller.json"

@@ -259,6 +259,12 @@ def _parser() -> argparse.ArgumentParser:
         e = sub.add_parser(name, help=what)
         e.add_argument("--run-dir", type=Path, required=True)
         e.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "report":
+            e.add_argument(
+                "--html", type=Path, default=None, metavar="FILE",
+                help="also write one self-contained HTML file (charts, recovery timeline, "
+                "goodput breakdown) for a post-mortem",
+            )  # fmt: skip
         if name == "events":
             e.add_argument(
                 "--kind", action="append", default=None, help="only this kind (repeatable)"
@@ -328,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             return report.print_events(
                 args.run_dir, as_json=args.json, kinds=args.kind, everything=args.all
             )
+        if args.html is not None:
+            from trainguard.observe.html import write_report
+
+            print(f"wrote {write_report(args.run_dir, args.html)}", file=sys.stderr)
         return report.print_report(args.run_dir, as_json=args.json)
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError) as e:
         print(f"trainguard: error: {e}", file=sys.stderr)

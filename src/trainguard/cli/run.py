@@ -350,6 +350,29 @@ def previous_run(store: Store, run_dir: Path) -> JobState | None:
         ) from None
 
 
+def read_or_create_token(path: Path) -> str:
+    """The job token in ``path``; a new random one is written there (0600) if it is missing."""
+    if path.exists():
+        token = path.read_text().strip()
+        try:
+            ok = len(bytes.fromhex(token)) >= 8
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"token file {path} holds no job token (16+ hex digits); delete it to have one made"
+            )
+        return token
+    token = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+VIEW_TOKEN = "view-token"  # RUN_DIR/view-token: the dashboard's read-only token (0600)
+
+
 async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
     # A re-run: every process of the previous run died with it (agents and daemons die with
@@ -357,7 +380,8 @@ async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[
     # writer of this run starts, and this run numbers its generations after the old ones.
     prev = previous_run(store, Path(cfg.run_dir))
     leftovers = storage.clean_leftovers(Path(cfg.ckpt_dir)) if prev is not None else {}
-    controller = Controller(cfg, token, store, rerun_of=prev, leftovers=leftovers)
+    view = read_or_create_token(Path(cfg.run_dir) / VIEW_TOKEN)
+    controller = Controller(cfg, token, store, rerun_of=prev, leftovers=leftovers, view_token=view)
     host, port = await controller.start()
     cluster = Cluster(cfg, f"{host}:{port}", token_file)
     got_signal: list[int] = []
@@ -369,6 +393,7 @@ async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[
     info = {"addr": f"{host}:{port}", "pid": os.getpid()}
     (Path(cfg.run_dir) / "controller.json").write_text(json.dumps(info))  # status, check
     log.info("controller on %s:%d; run dir %s", host, port, cfg.run_dir)
+    log.info("dashboard: http://%s:%d/ (token: %s/%s)", host, port, cfg.run_dir, VIEW_TOKEN)
     cluster.start()
     done = asyncio.ensure_future(controller.wait_done())
     while not done.done():

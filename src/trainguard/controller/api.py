@@ -182,6 +182,11 @@ class JobConfig:
     risk_temp_margin_c: float = 5.0
     risk_temp_horizon_s: float = 600.0  # a GPU whose climb reaches its slowdown this soon
     alert_webhook: str | None = None  # POST each alert there as JSON (5 s timeout)
+    # /metrics also on this fixed HOST:PORT (for a Prometheus scrape config), without the
+    # job token there when metrics_open (metrics say nothing secret; the address should
+    # be reachable from the monitoring network only). None: only on the API's random port.
+    metrics_bind: str | None = None
+    metrics_open: bool = False
     injects: tuple[InjectSpec, ...] = ()  # fault drills
 
     def __post_init__(self) -> None:
@@ -246,6 +251,12 @@ class JobConfig:
             f"archive_compress = {self.archive_compress!r}: use auto, off, zstd, zstd+shuf4 or "
             "zstd+shuf2",
         )
+        if self.metrics_bind is not None:
+            host, _, port = self.metrics_bind.rpartition(":")
+            need(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                f"metrics_bind = {self.metrics_bind!r}: use HOST:PORT, e.g. 0.0.0.0:9400",
+            )
         for url in self.archive_urls:
             check_archive_url(url)
         need(

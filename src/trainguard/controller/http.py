@@ -1,5 +1,11 @@
 """The controller's HTTP API (aiohttp). Every endpoint requires ``Authorization: Bearer <job
-token>`` (401 otherwise):
+token>`` (401 otherwise); the read-only **view token** (``RUN_DIR/view-token``) is accepted
+for the reading ``GET`` endpoints (``/v1/view``, ``/v1/status``, ``/metrics``) only. The page
+``/`` and its script are public: they hold no data, the page asks for a token (a login form,
+or ``#token=…`` in the URL: a fragment, never sent to the server nor logged).
+
+- ``GET  /``            the dashboard (``observe/static/view.html``), polling ``/v1/view``
+- ``GET  /v1/view``     what the dashboard shows (``observe/view.py``)
 
 - ``POST /v1/report``   an agent's heartbeat and reports; answers its desired state
 - ``GET  /v1/desired``  long poll: ``?node=ID&version=V&wait_s=S`` returns once the node's
@@ -21,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -32,20 +40,26 @@ from trainguard.controller.api import Pool
 from trainguard.controller.jobstate import pool_lists, state_json
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
+from trainguard.observe import html
+from trainguard.observe.html import PLOTLY_PATH
+from trainguard.observe.view import build_view
 
 if TYPE_CHECKING:
     from trainguard.controller.server import Controller
 
 log = logging.getLogger("trainguard.controller")
 MAX_WAIT_S = 30.0  # the longest long poll
+PUBLIC = frozenset({"/", PLOTLY_PATH})  # the page and its script: no data in them
+READ_ONLY = frozenset({"/v1/view", "/v1/status", "/metrics"})  # the view token's reach
 
 
 class HttpApi:
     """The endpoints of one controller (``ctl``), authenticated by ``token`` (hex)."""
 
-    def __init__(self, ctl: Controller, token: str) -> None:
+    def __init__(self, ctl: Controller, token: str, view_token: str | None = None) -> None:
         self.ctl = ctl
         self._token = f"Bearer {token}".encode()
+        self._view = f"Bearer {view_token}".encode() if view_token else None
 
     def app(self) -> web.Application:
         """The aiohttp application: routes, the token check, the report size limit (413)."""
@@ -59,14 +73,35 @@ class HttpApi:
                 web.post("/v1/check", self._check_start),
                 web.get("/v1/check", self._check_get),
                 web.get("/metrics", self._metrics),
+                web.get("/v1/view", self._view_json),
+                web.get("/", self._page),
+                web.get(PLOTLY_PATH, self._plotly),
             ]
         )
         return app
 
+    def metrics_app(self, open_: bool) -> web.Application:
+        """``/metrics`` alone, for ``metrics_bind``: without a token when ``open_``."""
+        app = web.Application(middlewares=[] if open_ else [self._auth])
+        app.add_routes([web.get("/metrics", self._metrics)])
+        return app
+
+    def _allowed(self, request: web.Request) -> bool:
+        got = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(got, self._token):
+            return True
+        return (
+            self._view is not None
+            and request.method == "GET"
+            and request.path in READ_ONLY
+            and hmac.compare_digest(got, self._view)
+        )
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, self._token):
+        if request.method == "GET" and request.path in PUBLIC:
+            return await handler(request)
+        if not self._allowed(request):
             log.warning(
                 "rejected unauthenticated %s %s from %s",
                 request.method,
@@ -169,10 +204,25 @@ class HttpApi:
         )
         return web.json_response(out)
 
+    async def _page(self, request: web.Request) -> web.Response:
+        return web.Response(text=html.page(), content_type="text/html", charset="utf-8")
+
+    async def _plotly(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=html.plotly_js(),
+            content_type="application/javascript",
+            headers={"Cache-Control": "max-age=86400"},
+        )
+
+    async def _view_json(self, request: web.Request) -> web.Response:
+        """The dashboard's data, built from the store off the event loop."""
+        view = await asyncio.to_thread(build_view, Path(self.ctl.cfg.run_dir))
+        return web.json_response(view, dumps=lambda v: json.dumps(v, default=str))
+
     async def _metrics(self, request: web.Request) -> web.Response:
         s = self.ctl.state
         pools = {n: p.value for n, p in s.pools.items()}
-        body = self.ctl.monitor.metrics(s.phase.value, s.generation, s.restarts, pools)
+        body = self.ctl.monitor.metrics(s.phase.value, s.generation, pools)
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _check_start(self, request: web.Request) -> web.Response:

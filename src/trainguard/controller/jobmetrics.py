@@ -24,10 +24,13 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from trainguard.checkpoint import storage
 
 PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -44,6 +47,12 @@ class StepFigures:
         self.stall_total_s = 0.0
         self.durable_step: int | None = None
         self.tier_bytes: dict[str, int] = {}
+
+    def durable(self, root: Path, step: int) -> None:
+        """A step became durable: the newest one sets the lag and the tier's bytes."""
+        if self.durable_step is None or step > self.durable_step:
+            self.durable_step = step
+            self.tier_bytes["durable"] = storage.step_bytes(root, step)
 
     def add(self, items: list[dict[str, Any]]) -> None:
         for it in sorted(items, key=lambda x: x["step"]):

@@ -15,6 +15,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from trainguard.controller.analysis import AnomalyDetector, DetectConfig, Event, StragglerDetector
+from trainguard.controller.jobmetrics import StepFigures
 
 log = logging.getLogger("trainguard.monitor")
 ALERT_KINDS = (
@@ -41,6 +42,7 @@ class Monitor:
         self.alerts: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self._tasks: set[asyncio.Task[None]] = set()
         r = self.registry = CollectorRegistry()
+        self.figures = StepFigures()  # goodput, rate, save stall (jobmetrics.JobCollector)
         self.g_step = Gauge("trainguard_step", "Newest step a rank finished", ["rank"], registry=r)
         self.g_step_s = Gauge(
             "trainguard_step_seconds", "Duration of a rank's newest step", ["rank"], registry=r
@@ -74,7 +76,6 @@ class Monitor:
         )
         self.g_phase = Gauge("trainguard_job_phase", "1 for the job's phase", ["phase"], registry=r)
         self.g_gen = Gauge("trainguard_generation", "Newest generation", registry=r)
-        self.g_restarts = Gauge("trainguard_restarts", "Restarts after faults", registry=r)
         self.g_nodes = Gauge("trainguard_nodes", "Nodes per pool", ["pool"], registry=r)
         self.h_report = Histogram(
             "trainguard_report_handling_seconds",
@@ -100,6 +101,8 @@ class Monitor:
         comm = float((last.get("sec") or {}).get("communication", 0.0))
         self.g_comm.labels(rank).set(comm)
         self.g_compute.labels(rank).set(max(0.0, float(last["dur"]) - comm))
+        if rank == 0:
+            self.figures.add(items)
         events = self.stragglers.add(generation, world, rank, items)
         for r, score in self.stragglers.scores.items():
             self.g_score.labels(r).set(score)
@@ -133,13 +136,12 @@ class Monitor:
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning("alert webhook %s failed: %s", self.webhook, e)
 
-    def metrics(self, phase: str, generation: int, restarts: int, pools: dict[str, str]) -> bytes:
+    def metrics(self, phase: str, generation: int, pools: dict[str, str]) -> bytes:
         """Prometheus text exposition of the job."""
         for p in ("PENDING", "RENDEZVOUS", "RUNNING", "FAULTED", "STOPPING", "CLEANING",
                   "REPLACING", "WAITING_FOR_NODES", "SUCCEEDED", "FAILED", "STOPPED"):  # fmt: skip
             self.g_phase.labels(p).set(1 if p == phase else 0)
         self.g_gen.set(generation)
-        self.g_restarts.set(restarts)
         for pool in ("running", "standby", "faulty", "retired"):
             self.g_nodes.labels(pool).set(sum(1 for v in pools.values() if v == pool))
         return bytes(generate_latest(self.registry))

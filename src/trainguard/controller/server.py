@@ -33,6 +33,7 @@ from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for
 from trainguard.controller.http import HttpApi
 from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses_changed, observe
+from trainguard.controller.jobmetrics import JobCollector
 from trainguard.controller.jobstate import (
     Inputs,
     StateEncoder,
@@ -101,10 +102,11 @@ class Controller:
         leftovers: dict[str, list[str]] | None = None,
         check_only: bool = False,
         check_cfg: CheckConfig | None = None,
+        view_token: str | None = None,
     ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
         self.check_only = check_only
-        self._token = token
+        self._token, self._view_token = token, view_token
         if resume is not None:
             self.state = resume
         elif rerun_of is not None:
@@ -126,6 +128,7 @@ class Controller:
         self.desired: dict[str, tuple[int, protocol.Desired]] = {}
         self.changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archiver
         self._archivers: list[Archiver] = []
@@ -155,6 +158,7 @@ class Controller:
             ),
             cfg.alert_webhook,
         )
+        self.monitor.registry.register(JobCollector(self._metric_state, self.monitor.figures))
         self.preflight: Preflight | None = None
         if check_only or cfg.preflight != "off":
             level = cfg.preflight if cfg.preflight != "off" else "quick"
@@ -203,7 +207,8 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> tuple[str, int]:
-        self._runner = web.AppRunner(HttpApi(self, self._token).app(), access_log=None)
+        api = HttpApi(self, self._token, self._view_token)
+        self._runner = web.AppRunner(api.app(), access_log=None)
         await self._runner.setup()
         # Every agent connects at once at the start and after a controller restart: with
         # aiohttp's default backlog (128) the kernel drops SYNs past it and each dropped
@@ -213,6 +218,13 @@ class Controller:
         server = site._server
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        if self.cfg.metrics_bind:  # a fixed address for Prometheus, open if metrics_open
+            mhost, _, mport = self.cfg.metrics_bind.rpartition(":")
+            self._metrics_runner = web.AppRunner(
+                api.metrics_app(self.cfg.metrics_open), access_log=None
+            )
+            await self._metrics_runner.setup()
+            await web.TCPSite(self._metrics_runner, mhost, int(mport)).start()
         # The tick's thread hands the GIL to the loop's reports within 1 ms, not Python's
         # default 5 ms (a report needs it several times: at thousands of nodes that was the
         # report latency's tail).
@@ -245,8 +257,15 @@ class Controller:
             arch.start()
             self._archivers.append(arch)
 
+    def _metric_state(self) -> tuple[int, list[dict[str, Any]]]:
+        s = self.state
+        recs = [*s.recoveries, *([s.recovery] if s.recovery is not None else [])]
+        return s.restarts, [r.to_json() for r in recs]
+
     def _cold_event(self, kind: str, data: dict[str, Any]) -> None:
         self.store.record(kind, data)
+        if kind == "archive_uploaded":
+            self.monitor.figures.tier_bytes["archive"] = int(data.get("bytes", 0))
         if kind == "archive_uploaded":  # archived once archive_copies targets verified it
             held = self._copies.setdefault(int(data["step"]), set())
             held.add(str(data["url"]))
@@ -276,8 +295,9 @@ class Controller:
             await asyncio.sleep(0)  # their last events reach the store
         self.closing = True  # long polls answer now, so the HTTP server stops at once
         await self._notify()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._runner, self._metrics_runner):
+            if runner is not None:
+                await runner.cleanup()
 
     # ------------------------------------------------------------------ reports
     def ingest(self, node_id: str, body: dict[str, Any]) -> None:
@@ -310,6 +330,8 @@ class Controller:
                         got.append("gemm-wrong")
             if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
                 self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
+            if kind == "ckpt_durable":  # /metrics: durable lag and the tier's bytes
+                self.monitor.figures.durable(Path(self.cfg.ckpt_dir), int(ev["step"]))
             if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
                 self._inputs.unusable.append((int(ev["step"]), int(ev["point_generation"])))
             rec = self.state.recovery
