@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -132,3 +133,55 @@ def test_metrics_dashboard_and_html_report_show_a_recovery(tmp_path: Path) -> No
         SCREENSHOTS.mkdir(exist_ok=True)
         (SCREENSHOTS / "dashboard.png").write_bytes(shot.read_bytes())
         (SCREENSHOTS / "report.png").write_bytes(report_shot.read_bytes())
+
+
+@pytest.mark.slow  # the README's main job with its pre-flight (CI's slow run)
+def test_the_readme_main_job_shows_a_live_status_line_and_rank0_output_on_a_terminal(
+    tmp_path: Path,
+) -> None:
+    """The README's main job, its ``trainguard run`` taken literally, on a pseudo-terminal:
+    the status line is redrawn in place (each redraw clears the line first), rank 0's output
+    streams with its prefix, and the job recovers from its injected kill and exits 0."""
+    import fcntl
+    import pty
+    import select
+    import shlex
+    import struct
+    import termios
+
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if "&& trainguard run " in x)
+    argv = shlex.split(line.split("&& trainguard run ", 1)[1])
+    run = tmp_path / "run"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns
+    cmd = [sys.executable, "-m", "trainguard", "run", "--run-dir", str(run), *argv]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:  # the terminal closed: every writer exited
+                    break
+                if not data:
+                    break
+                out += data
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    redraws = [s for s in text.split("\r\x1b[2K") if s.startswith("trainguard │")]
+    assert len(redraws) >= 5, text[-3000:]
+    assert any(" step " in s and "steps/s" in s and "loss" in s for s in redraws), redraws[-5:]
+    assert any("restarts 1" in s for s in redraws), redraws[-5:]
+    assert "[rank0]:" in text and "[rank1]:" not in text  # rank 0's output only, by default

@@ -36,6 +36,7 @@ from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig
+from trainguard.observe.statusline import StatusLine, job_line
 from trainguard.observe.tee import Tee, parse_ranks
 
 log = logging.getLogger("trainguard.run")
@@ -373,7 +374,9 @@ def read_or_create_token(path: Path) -> str:
 VIEW_TOKEN = "view-token"  # RUN_DIR/view-token: the dashboard's read-only token (0600)
 
 
-async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[JobState, int]:
+async def _run(
+    cfg: JobConfig, token: str, token_file: Path, tee: Tee, status: StatusLine
+) -> tuple[JobState, int]:
     store = Store(Path(cfg.run_dir))
     # A re-run: every process of the previous run died with it (agents and daemons die with
     # their parent), so what it left half-written in the durable tier is removed before any
@@ -396,10 +399,15 @@ async def _run(cfg: JobConfig, token: str, token_file: Path, tee: Tee) -> tuple[
     log.info("dashboard: http://%s:%d/ (token: %s/%s)", host, port, cfg.run_dir, VIEW_TOKEN)
     cluster.start()
     done = asyncio.ensure_future(controller.wait_done())
+    shown = 0.0
     while not done.done():
         cluster.supervise(store)
         tee.poll()
+        if time.monotonic() - shown >= 1.0:
+            status.show(job_line(controller))
+            shown = time.monotonic()
         await asyncio.wait([done], timeout=0.2)
+    status.close()
     state = done.result()
     await cluster.wait_exit(AGENT_EXIT_DEADLINE_S + cfg.stop_grace_s)
     tee.poll(final=True)
@@ -432,16 +440,19 @@ def run_command(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     ranks = parse_ranks(args.tee, args.local_ranks_filter)
     lock = _lock_run_dir(Path(cfg.run_dir))  # noqa: F841 - released when this process exits
+    status = StatusLine(sys.stderr)  # log and worker lines clear it first on a terminal
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainguard %(message)s"
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=status.prefix + "%(asctime)s trainguard %(message)s",
     )
     token = secrets.token_hex(16)
     token_file = Path(cfg.run_dir) / "token"
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
-    tee = Tee(Path(cfg.log_dir or Path(cfg.run_dir) / "logs"), ranks)
-    state, sig = asyncio.run(_run(cfg, token, token_file, tee))
+    tee = Tee(Path(cfg.log_dir or Path(cfg.run_dir) / "logs"), ranks, prefix=status.prefix)
+    state, sig = asyncio.run(_run(cfg, token, token_file, tee, status))
     return finish(cfg, state, sig)
 
 

@@ -47,6 +47,8 @@ class StepFigures:
         self.stall_total_s = 0.0
         self.durable_step: int | None = None
         self.tier_bytes: dict[str, int] = {}
+        self.loss: float | None = None
+        self.tokens_per_s = 0.0
 
     def durable(self, root: Path, step: int) -> None:
         """A step became durable: the newest one sets the lag and the tier's bytes."""
@@ -61,6 +63,10 @@ class StepFigures:
             self.recent.append(dur)
             self.stall_s = stall
             self.stall_total_s += stall
+            if it.get("loss") is not None:
+                self.loss = float(it["loss"])
+            if it.get("tokens") and dur > 0:
+                self.tokens_per_s = float(it["tokens"]) / dur
             if it["step"] > self.newest:
                 self.newest = int(it["step"])
                 self.productive_s += max(0.0, dur - stall)

@@ -35,8 +35,11 @@ def parse_ranks(tee: str | None, filt: str | None) -> set[int] | None:
 class Tee:
     """Follow ``log_dir``'s rank logs; ``poll()`` prints what is new (complete lines)."""
 
-    def __init__(self, log_dir: Path, ranks: set[int] | None, out: IO[str] = sys.stdout) -> None:
+    def __init__(
+        self, log_dir: Path, ranks: set[int] | None, out: IO[str] = sys.stdout, prefix: str = ""
+    ) -> None:
         self.log_dir, self.ranks, self.out = log_dir, ranks, out
+        self.prefix = prefix  # e.g. what clears the live status line first
         self._pos: dict[Path, int] = {}  # what an earlier run of this run dir wrote is not new
         for path in log_dir.glob("rank*.gen*.log") if log_dir.is_dir() else []:
             self._pos[path] = path.stat().st_size
@@ -72,7 +75,7 @@ class Tee:
         elif rest:
             self._partial[path] = rest
         for line in lines:
-            self.out.write(f"[rank{rank}]:{line.decode(errors='replace')}\n")
+            self.out.write(f"{self.prefix}[rank{rank}]:{line.decode(errors='replace')}\n")
 
 
 def _order(p: Path) -> tuple[int, int]:
