@@ -97,10 +97,17 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
         if any(f"trainguard-{j}-" in n for j in jobs)
     ]
     assert not leaked, (
-        f"processes left behind: {[(p.pid, p.cmdline()) for p in leaked if p.is_running()]}"
+        f"processes left behind: {[(p.pid, _cmd(p)) for p in leaked if p.is_running()]}"
     )
     assert not zombies, f"zombies left behind: {zombies}"
     assert not new_shm, f"/dev/shm segments left behind: {new_shm}"
+
+
+def _cmd(p: psutil.Process) -> list[str] | str:
+    try:
+        return p.cmdline()
+    except psutil.Error as e:  # a zombie has no command line left
+        return f"({type(e).__name__})"
 
 
 def trainguard_cmd(*args: str | Path) -> list[str]:

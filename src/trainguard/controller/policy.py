@@ -271,9 +271,10 @@ def persist_planned_stop(
             {
                 "generation": gen,
                 "why": "stop requested" if s.stop_requested else "planned restart",
-                "last_step": last,
+                # a step's report may trail its snapshot: the saved step then counts as done
+                "last_step": last if last is None else max(last, saved or 0),
                 "saved_step": saved,
-                "steps_lost": None if last is None else last - (saved or 0),
+                "steps_lost": None if last is None else max(0, last - (saved or 0)),
             },
         )
     )
