@@ -107,6 +107,7 @@ def test_metrics_dashboard_and_html_report_show_a_recovery(tmp_path: Path) -> No
         assert body["errors"] == "0" and "Uncaught" not in log, log[-2000:]
         assert int(body["loss-points"]) > 0 and int(body["recoveries"]) >= 1, body
         assert html.count('class="pool-running"') == 2, html[-3000:]
+        assert "all 2 · normal 2 · abnormal 0 · standby 0 · running 2" in html
         assert 'class="main-svg"' in html  # plotly drew the charts
         shot = screenshot(url, ARTIFACTS / "dashboard.png")
         assert view_token not in (run / "events.jsonl").read_text()

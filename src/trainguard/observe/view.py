@@ -16,6 +16,7 @@ from typing import Any
 
 from trainguard.controller.analysis import DetectConfig, StragglerDetector
 from trainguard.controller.api import RECOVERY_PHASES
+from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.monitor import ALERT_KINDS
 from trainguard.controller.store import open_readonly, read_events, read_kv
 
@@ -81,6 +82,7 @@ def build_view(run_dir: Path, *, max_points: int = 2000) -> dict[str, Any]:
             "last_step": steps[-1][2] if steps else None,
         },
         "nodes": _nodes(state, events),
+        "lists": pool_lists(state.get("pools", {})),
         "loss": _thin(loss, max_points),
         "throughput_unit": "tokens/s" if any(r[6] for r in steps) else "steps/s",
         "throughput": _thin(throughput, max_points),
