@@ -150,10 +150,12 @@ class CkptConf:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Idle:
-    """No workers; keep ``nproc_per_node`` warm spares and ckptd for ``ckpt`` (if given)."""
+    """No workers; keep ``nproc_per_node`` warm spares and ckptd for ``ckpt`` (if given);
+    ``prefetch``: keep a copy of the newest durable step in memory (a healthy standby)."""
 
     nproc_per_node: int = 0
     ckpt: CkptConf | None = None
+    prefetch: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -41,6 +41,7 @@ from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
 from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
 from trainguard.agent.probe import GemmProbe
 from trainguard.checkpoint import ckptd as ckptd_mod
+from trainguard.checkpoint.prefetch import Prefetcher, prefetch_root
 from trainguard.health.host import host_health
 from trainguard.health.signals import SignalReader
 from trainguard.protocol import (
@@ -150,6 +151,7 @@ class Agent:
         self.checks = CheckRunner(cfg.run_dir, cfg.node_id, cfg.controller.rsplit(":", 1)[0])
         self._gemm_wrong = False  # the gemm-wrong drill fired here: this node's GEMMs are bad
         self.probe = GemmProbe(self._probe_context, self._base_env())
+        self.prefetch = Prefetcher(self._event)  # a standby's copy of the newest durable step
 
     @property
     def generation(self) -> int | None:
@@ -165,6 +167,7 @@ class Agent:
         """Stop the workers, kill the spares, close sockets and files (``run`` does this on
         its way out; for an agent driven by ``loop_once``)."""
         self._stop_workers(grace_s=1.0)
+        self.prefetch.close(remove=True)
         self.probe.close()
         self._signal_reader.close()
         self.launcher.close()
@@ -314,6 +317,12 @@ class Agent:
         ckpt = d.ckpt if isinstance(d, Run | Idle) else None
         if ckpt is not None:
             self.ckptd.ensure(ckpt)
+        if isinstance(d, Idle) and d.prefetch and ckpt is not None:
+            self.prefetch.follow(
+                Path(ckpt.dir), prefetch_root(ckpt.shm_dir, self.job_id, self.cfg.node_id)
+            )
+        else:
+            self.prefetch.pause()  # a node that took a rank keeps its copy for the restore
         if isinstance(d, Run):
             gen = d.generation
             if self.generation is not None and self.generation != gen:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from trainguard.checkpoint import ckptd as ckptd_mod
+from trainguard.checkpoint.prefetch import prefetch_root
 from trainguard.protocol import Run
 from trainguard.runtime import api as rt_api
 
@@ -82,6 +83,7 @@ def worker_env(
         rt_api.ENV_CKPTD: ckptd_mod.socket_name(job_id, cfg.node_id) if d.ckpt.memory_tier else "",
         rt_api.ENV_MEMORY_TIER: "1" if d.ckpt.memory_tier else "0",
         rt_api.ENV_SHM_DIR: str(d.ckpt.shm_dir),
+        rt_api.ENV_PREFETCH_DIR: str(prefetch_root(d.ckpt.shm_dir, job_id, cfg.node_id)),
         rt_api.ENV_JOB_ID: job_id,
         rt_api.ENV_REPLICA_SOURCE: str(d.replica_sources.get(str(rank), "")),
         rt_api.ENV_NODE_ID: cfg.node_id,

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainguard.checkpoint import device, snapshot, storage
+from trainguard.checkpoint import device, prefetch, snapshot, storage
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import (
     PER_RANK_KEY,
@@ -621,6 +621,12 @@ class Checkpointer:
                 )
                 _say(f"rank {rank} restored step {step} from the {self._tier} tier")
                 return step
+            if self._load_prefetched(state, rank, step, gen):
+                self._rt.event(
+                    "ckpt_load_end", step=step, tier="prefetched", duration_s=time.time() - t0
+                )
+                _say(f"rank {rank} restored step {step} from this node's prefetched copy")
+                return step
             # The manifest, sizes and metadata now; each data file's checksum as it is read.
             problems, sums = storage.verify_for_load(self.root, step)
             if problems:
@@ -661,6 +667,24 @@ class Checkpointer:
         _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
         return step
 
+    def _load_prefetched(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
+        """Restore durable ``step`` from this node's prefetched copy (a standby that took a
+        lost node's place: ``prefetch.py``) if it holds that step of generation ``gen``;
+        each file checked as read. False (an event if it was there but failed): read the
+        durable tier instead, which overwrites whatever was read."""
+        root = prefetch.present(os.environ.get(rt_api.ENV_PREFETCH_DIR), step, gen)
+        if root is None:
+            return False
+        problems, sums = storage.verify_for_load(root, step)
+        if not problems:
+            try:
+                self._load_durable(state, rank, step, sums, root=root)
+                return True
+            except (CheckpointCorruptError, CheckpointReadError) as e:
+                problems = [str(e)]
+        self._rt.event("ckpt_corrupt", step=step, tier="prefetched", problems=problems[:4])
+        return False
+
     def _restore_failed(
         self, rank: int, step: int, gen: int, tier: str, problems: list[str]
     ) -> None:
@@ -681,6 +705,8 @@ class Checkpointer:
         rank: int,
         step: int,
         sums: dict[str, dict[str, Any]] | None = None,
+        *,
+        root: Path | None = None,
     ) -> None:
         """Read this rank's keys of durable ``step`` into ``state``. ``sums``: the step's
         manifest files: each file read is checked against them as it is read (one pass,
@@ -689,11 +715,12 @@ class Checkpointer:
         of its values: do not go on with it), CheckpointReadError when a file cannot be read
         (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
         the live state."""
-        path = storage.step_dir(self.root, step)
+        root = self.root if root is None else root
+        path = storage.step_dir(root, step)
         try:
             md = dcp.FileSystemReader(str(path)).read_metadata()
         except OSError as e:
-            raise CheckpointReadError(f"step {step} of {self.root}: {e}") from e
+            raise CheckpointReadError(f"step {step} of {root}: {e}") from e
         saved_md = md.state_dict_metadata
         conv = state_mod.converted(state, rank)
         self._account_per_rank(conv, saved_md, rank, step)
@@ -726,7 +753,7 @@ class Checkpointer:
         except CorruptFileError as e:
             raise CheckpointCorruptError(str(e)) from None
         except OSError as e:
-            raise CheckpointReadError(f"step {step} of {self.root}: {e}") from e
+            raise CheckpointReadError(f"step {step} of {root}: {e}") from e
         except CheckpointException as e:  # a BaseException: would escape `except Exception`
             failures = getattr(e, "failures", {}) or {}
             read = [
@@ -738,10 +765,10 @@ class Checkpointer:
             if corrupt:
                 raise CheckpointCorruptError(str(corrupt[0])) from None
             if read:
-                raise CheckpointReadError(f"step {step} of {self.root}: {read[0]}") from None
+                raise CheckpointReadError(f"step {step} of {root}: {read[0]}") from None
             first = next((ln for ln in str(e).splitlines() if "Error" in ln), str(e)[:300])
             raise CheckpointError(
-                f"step {step} of {self.root} does not fit this state ({first.strip()}); "
+                f"step {step} of {root} does not fit this state ({first.strip()}); "
                 "the script's state must have the keys it had when it saved"
             ) from None
         state_mod.apply(state, conv, rank)

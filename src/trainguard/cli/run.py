@@ -333,7 +333,10 @@ class Cluster:
         # Every agent is gone: whatever segment a killed node left is this launcher's to remove.
         job = hashlib.sha1(str(Path(self.cfg.run_dir).resolve()).encode()).hexdigest()[:8]
         for path in Path(self.cfg.shm_dir).glob(f"trainguard-{job}-*"):
-            path.unlink(missing_ok=True)
+            if path.is_dir():  # a standby's prefetched step
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def previous_run(store: Store, run_dir: Path) -> JobState | None:

@@ -126,6 +126,10 @@ class JobConfig:
     replica_copies: int = 1  # how many: the next N nodes by node rank (a ring)
     shm_dir: str = "/dev/shm"  # where snapshot slots live
     keep_checkpoints: int = 2  # committed durable steps retained (the newest is never deleted)
+    # A healthy standby keeps a verified copy of the newest durable step in its memory
+    # (checkpoint/prefetch.py: shm_dir, next to ckptd's slots), so that a node it replaces
+    # restores from memory, not from the durable tier. Costs one step's size per standby.
+    prefetch_standby: bool = True
     checkpoint_dir: str | None = None  # durable tier; default RUN_DIR/checkpoints
     # Cold tier (checkpoint/archive.py): durable steps copied in the background to this URL
     # (s3://bucket/prefix with s3fs, file:///path, any fsspec URL), or to each URL of a list

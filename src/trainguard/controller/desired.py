@@ -7,6 +7,7 @@ from trainguard.controller.api import (
     JobConfig,
     NodeObs,
     Phase,
+    Pool,
 )
 from trainguard.controller.jobstate import (
     ACTIVE_PHASES,
@@ -36,7 +37,8 @@ def desired_for(
         keep=cfg.keep_checkpoints,
         memory_tier=cfg.memory_tier,
     )
-    idle = Idle(nproc_per_node=cfg.nproc_per_node, ckpt=ckpt)
+    standby = s.pools.get(node_id) == Pool.STANDBY and cfg.prefetch_standby and cfg.memory_tier
+    idle = Idle(nproc_per_node=cfg.nproc_per_node, ckpt=ckpt, prefetch=standby)
     if rank is None or rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):

@@ -23,6 +23,7 @@ ENV_CKPTD = (
     "TRAINGUARD_CKPTD"  # abstract socket name of the node's ckptd ("" = in-process persister)
 )
 ENV_SHM_DIR = "TRAINGUARD_SHM_DIR"  # where snapshot slots live (default /dev/shm)
+ENV_PREFETCH_DIR = "TRAINGUARD_PREFETCH_DIR"  # this node's prefetched durable step, if any
 ENV_MEMORY_TIER = "TRAINGUARD_MEMORY_TIER"  # "0" = durable-only checkpoints
 ENV_JOB_ID = "TRAINGUARD_JOB_ID"  # short job id (names shm slots)
 ENV_NODE_ID = "TRAINGUARD_NODE_ID"  # this node's id

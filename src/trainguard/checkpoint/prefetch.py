@@ -1,0 +1,167 @@
+"""Standby prefetch: a node that waits as a standby keeps a verified copy of the job's newest
+durable step in its own memory (a directory on its shared-memory filesystem, next to ckptd's
+slots), so that when it replaces a lost node its ranks read the restore point from memory,
+not from the (shared, remote) durable tier.
+
+The copy is an ordinary committed step (``storage.commit``: manifest written last, the
+directory renamed into place) under ``prefetch_root``; each file is CRC-32C'd as it is copied
+and checked against the step's manifest, so a torn or changed file is never committed. Only
+the newest step is kept. A worker restoring step S written by generation G reads the prefetched
+copy when it holds that very (S, G) and it verifies while being read (``Checkpointer.load``),
+else the durable tier as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from trainguard.checkpoint import storage
+from trainguard.checkpoint.api import MANIFEST
+
+log = logging.getLogger("trainguard.prefetch")
+CHUNK = 8 << 20
+POLL_S = 2.0  # how often a standby looks for a newer durable step
+
+
+def prefetch_root(shm_dir: str | Path, job: str, node: str) -> Path:
+    """Where node ``node`` of job ``job`` keeps its prefetched step."""
+    return Path(shm_dir) / f"trainguard-{job}-{node}-prefetch"
+
+
+def copy_step(src_root: Path, dest_root: Path, step: int) -> int:
+    """Copy committed ``step`` of ``src_root`` into ``dest_root`` as a committed step, each
+    file checked against the manifest while copied; older copies in ``dest_root`` are then
+    removed. Returns the bytes copied. Raises OSError (e.g. the step was pruned meanwhile, or
+    memory is full) or ValueError (a file does not match its manifest); nothing is committed
+    then."""
+    problems, files = storage.verify_for_load(src_root, step)
+    if problems:
+        raise ValueError(problems[0])
+    gen = storage.committed_generation(src_root, step)
+    tmp = storage.tmp_dir(dest_root, step, gen)
+    shutil.rmtree(tmp, ignore_errors=True)
+    total = 0
+    try:
+        src = storage.step_dir(src_root, step)
+        for name, want in files.items():
+            out = tmp / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            crc = 0
+            with open(src / name, "rb") as f, open(out, "wb") as g:
+                while chunk := f.read(CHUNK):
+                    crc = crc32c.crc32c(chunk, crc)
+                    g.write(chunk)
+                    total += len(chunk)
+            if (out.stat().st_size, crc) != (want["size"], want[storage.CHECKSUM]):
+                raise ValueError(f"{src / name}: does not match its manifest")
+        for extra in sorted(p for p in src.rglob("*") if p.is_file()):  # fingerprints, .done
+            rel = extra.relative_to(src)
+            if str(rel) not in files and rel.name != MANIFEST:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(extra, tmp / rel)
+        storage.commit(tmp, dest_root, step, generation=gen, files=files)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in storage.list_committed(dest_root):
+        if old != step:
+            shutil.rmtree(storage.step_dir(dest_root, old), ignore_errors=True)
+    return total
+
+
+class Prefetcher:
+    """A thread that, while ``follow``-ing, copies each newer committed step of the durable
+    tier into this node's prefetch root; ``pause`` stops copying (the node took a rank: its
+    copy stays for the restore); ``close`` stops the thread and removes the copy.
+
+    ``emit(kind, **data)`` receives ``standby_prefetched`` (step, bytes, seconds) and
+    ``standby_prefetch_failed`` (step, reason) events."""
+
+    def __init__(self, emit: Callable[..., Any]) -> None:
+        self.emit = emit
+        self._lock = threading.Lock()
+        self._target: tuple[Path, Path] | None = None  # (durable root, prefetch root)
+        self._dest: Path | None = None  # the copy's place (kept after a pause)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failed: set[int] = set()  # steps that could not be copied (not retried)
+
+    def follow(self, durable: Path, dest: Path) -> None:
+        with self._lock:
+            self._target, self._dest = (durable, dest), dest
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="trainguard-prefetch", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._target = None
+
+    def close(self, *, remove: bool = True) -> None:
+        with self._lock:
+            self._target = None
+            thread, self._thread = self._thread, None
+            dest = self._dest
+        self._stop.set()
+        self._wake.set()
+        if thread is not None:
+            thread.join(timeout=30.0)
+        if remove and dest is not None:
+            shutil.rmtree(dest, ignore_errors=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                target = self._target
+            if target is not None:
+                self._once(*target)
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+
+    def _once(self, durable: Path, dest: Path) -> None:
+        steps = storage.list_committed(durable)
+        if not steps or steps[-1] in self._failed:
+            return
+        step = steps[-1]
+        gen = storage.committed_generation(durable, step)
+        if present(str(dest), step, gen) is not None:
+            return
+        t0 = time.monotonic()
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            n = copy_step(durable, dest, step)
+        except FileNotFoundError:
+            return  # pruned while copied: a newer step is there to copy
+        except (OSError, ValueError) as e:
+            self._failed.add(step)
+            self.emit("standby_prefetch_failed", step=step, reason=f"{type(e).__name__}: {e}")
+            return
+        took = time.monotonic() - t0
+        log.info("prefetched step %d (%.1f MB in %.2fs)", step, n / 1e6, took)
+        self.emit("standby_prefetched", step=step, bytes=n, seconds=round(took, 3))
+
+
+def present(root: str | None, step: int, generation: int) -> Path | None:
+    """The prefetch root if it holds committed ``step`` of ``generation`` (any generation
+    when ``generation`` < 0), else None."""
+    if not root:
+        return None
+    path = Path(root)
+    if step not in storage.list_committed(path):
+        return None
+    if generation >= 0 and storage.committed_generation(path, step) != generation:
+        return None
+    return path if os.access(storage.step_dir(path, step), os.R_OK) else None
