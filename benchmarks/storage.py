@@ -11,6 +11,7 @@ any endpoint given with ``--endpoint``), this measures:
 - restore into live tensors: ``Archive.fetch`` into an empty local directory (chunks read
   ``--concurrency`` at once, each checked) then ``dcp.load`` from it, vs ``dcp.load``
   straight from S3 through DCP's own ``FsspecReader`` (no checksums); memcpy as the floor;
+- restore of a standby's prefetched copy (in /dev/shm), verified while read, against memcpy;
 - compression on the GPT example's real state (model, AdamW moments after a few steps of
   training, fp32 and bf16): stored/raw ratio and single-core throughput of each codec mode.
 
@@ -104,6 +105,30 @@ def incremental(
     }
 
 
+def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -> float:
+    """A standby's restore of the step it prefetched (``prefetch.copy_step`` into /dev/shm):
+    the manifest and sizes checked, every file read once with its CRC-32C, into the live
+    tensors (the rank's path in ``Checkpointer.load``). Median seconds."""
+    from trainguard.checkpoint.prefetch import copy_step
+
+    dest = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="tg-bench-prefetch-"))
+    try:
+        copy_step(hot, dest, 1)
+        ck = Checkpointer(dest, durable_every=0, memory_tier=False)
+        target = {k: torch.empty_like(v) for k, v in live.items()}
+
+        def load() -> None:
+            _, sums = storage.verify_for_load(dest, 1)
+            ck._load_durable(target, 0, 1, sums)
+
+        took = median_s(load, repeats)
+        ck.close()
+        assert all(torch.equal(target[k], live[k]) for k in live), "prefetched restore differs"
+        return took
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
 def gpt_state(dtype: torch.dtype) -> bytes:
     """The GPT example's model and AdamW state after 5 steps on its corpus, as bytes."""
     sys.path.insert(0, str(ROOT / "examples" / "gpt"))
@@ -194,6 +219,7 @@ def measure(
         restore_peer = median_s(peer_restore, repeats)
         memcpy = median_s(lambda: [target[k].copy_(v) for k, v in live.items()], repeats)
         inc = incremental(live, work, ours, changed, repeats)
+        pre = prefetched_restore(live, hot, repeats)
         return {
             "size_mb": round(nbytes / 1e6, 1),
             "concurrency": concurrency,
@@ -209,6 +235,8 @@ def measure(
                 "restore_vs_memcpy": round(restore_ours / memcpy, 1),
             },
             "restore_mb_per_s": round(nbytes / 1e6 / restore_ours, 1),
+            "prefetched_restore_s": round(pre, 4),
+            "prefetched_restore_vs_memcpy": round(pre / memcpy, 2),
             "incremental": inc,
         }
     finally:
@@ -239,6 +267,8 @@ def main() -> None:
     for what, row in (("upload", out["upload_s"]), ("restore", out["restore_s"])):
         print(f"  {what:8s} " + "  ".join(f"{k} {v:.3f}s" for k, v in row.items()))
     print("  ratios  " + "  ".join(f"{k} {v}" for k, v in out["ratios"].items()))
+    print(f"  restore of a standby's prefetched copy {out['prefetched_restore_s']:.3f}s, "
+          f"{out['prefetched_restore_vs_memcpy']}x memcpy")  # fmt: skip
     inc = out["incremental"]
     print(f"  incremental ({inc['changed']:.0%} changed): bytes {inc['bytes']}, "
           f"seconds {inc['seconds']}, ratios {inc['ratios']}")  # fmt: skip
