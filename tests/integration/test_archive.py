@@ -377,3 +377,33 @@ def test_ckpt_ls_verify_and_export_cover_the_archive_tier(aws: str, tmp_path: Pa
     assert res.returncode == 1
     bad = [r for r in json.loads(res.stdout) if r["state"] == "corrupt"]
     assert [(r["step"], r["tier"]) for r in bad] == [(1, "archive")], bad
+
+
+def test_a_file_archive_makes_its_directories_and_refuses_a_damaged_or_escaping_manifest(
+    tmp_path: Path,
+) -> None:
+    """A ``file://`` target that does not exist yet is made as chunks arrive. A manifest that
+    is not one (``[]``) or whose file names leave the step (``../``) is refused with an
+    event, and the restore takes the newest good step; nothing is written outside the hot
+    tier."""
+    import json
+
+    hot = tmp_path / "ck"
+    written = _steps(hot, 1, 2, 3)
+    a = Archive(f"file://{tmp_path}/no/such/dir/yet")
+    for step in (1, 2, 3):
+        a.upload(storage.step_dir(hot, step), step)
+    assert a.list_steps() == [1, 2, 3] and a.verify(3) == []
+    base = tmp_path / "no" / "such" / "dir" / "yet"
+    (base / "step_3" / "manifest.json").write_text("[]")
+    m = json.loads((base / "step_2" / "manifest.json").read_text())
+    m["archive"]["files"]["../../escape.txt"] = next(iter(m["archive"]["files"].values()))
+    (base / "step_2" / "manifest.json").write_text(json.dumps(m))
+    assert any("no valid manifest" in p for p in a.verify(3))
+    shutil.rmtree(hot)
+    seen: list[tuple[str, dict[str, object]]] = []
+    assert restore_newest([a], hot, lambda k, **d: seen.append((k, d))) == 1
+    bad = {d["step"]: d["problems"][0] for k, d in seen if k == "checkpoint_corrupt"}
+    assert set(bad) == {3, 2} and "leaves the step" in str(bad[2]), bad
+    assert not (tmp_path / "escape.txt").exists() and not (hot.parent / "escape.txt").exists()
+    assert torch.equal(_load(storage.step_dir(hot, 1)), written[1])

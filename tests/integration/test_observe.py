@@ -186,3 +186,31 @@ def test_the_readme_main_job_shows_a_live_status_line_and_rank0_output_on_a_term
     assert any(" step " in s and "steps/s" in s and "loss" in s for s in redraws), redraws[-5:]
     assert any("restarts 1" in s for s in redraws), redraws[-5:]
     assert "[rank0]:" in text and "[rank1]:" not in text  # rank 0's output only, by default
+
+
+def test_a_metrics_address_in_use_and_an_html_path_that_is_a_directory_are_one_line_errors(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "job.toml"
+        cfg.write_text(FAST_CONFIG + f'metrics_bind = "127.0.0.1:{port}"\n')
+        res = subprocess.run(
+            [sys.executable, "-m", "trainguard", "run", "--run-dir", str(tmp_path / "run"),
+             "--config", str(cfg), str(ROOT / "examples" / "gpt" / "train.py")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "cannot listen there" in last and "Traceback" not in res.stderr, res.stderr[-2000:]
+    res = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", "--run-dir", str(tmp_path / "run"),
+         "--html", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2 and "is a directory" in res.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("*.tmp"))

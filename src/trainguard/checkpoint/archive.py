@@ -95,6 +95,8 @@ class Archive:
             endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:
                 opts["client_kwargs"] = {"endpoint_url": endpoint}
+        if "://" not in self.url or self.url.startswith(("file://", "local://")):
+            opts = {"auto_mkdir": True}  # a local directory: chunks/<ab>/ made as needed
         self.fs, base = fsspec.core.url_to_fs(self.url, **opts)
         self.base = base.rstrip("/")
         self.concurrency = max(1, concurrency)
@@ -138,12 +140,12 @@ class Archive:
         try:
             path = self._path(step, MANIFEST)
             m = json.loads(retry(lambda: self.fs.cat_file(path), self.url, passthrough=NOT_FOUND))
-            assert isinstance(m.get("archive", {}).get("files"), dict)
+            _check_manifest(m)
             return m
-        except (FileNotFoundError, ValueError, AssertionError) as e:
+        except (FileNotFoundError, ValueError, TypeError, AttributeError, KeyError) as e:
             raise ArchiveError(
-                f"archive {self.url}: step {step} has no readable manifest ({type(e).__name__}); "
-                "it is not a complete archived step"
+                f"archive {self.url}: step {step} has no valid manifest ({type(e).__name__}: "
+                f"{e}); it is not a complete archived step"
             ) from None
 
     def _referenced(self, steps: list[int]) -> set[str]:
@@ -358,6 +360,31 @@ class Archive:
             retry(lambda: self.fs.rm(dead), self.url)
         self._known = live
         return len(dead)
+
+
+def _check_manifest(m: Any) -> None:
+    """Raise ValueError unless ``m`` is a manifest this module wrote: an integer generation,
+    the hot manifest's files, and per archived file a size, a CRC-32C and chunk addresses,
+    under a relative name that stays inside the step (never ``..``, never absolute)."""
+    if not isinstance(m, dict) or not isinstance(m.get("generation", 0), int):
+        raise ValueError("not a manifest object with an integer generation")
+    files = m.get("files")
+    archived = m.get("archive", {}).get("files") if isinstance(m.get("archive"), dict) else None
+    if not isinstance(files, dict) or not isinstance(archived, dict) or not archived:
+        raise ValueError("no files listed")
+    for name, e in archived.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts:
+            raise ValueError(f"file name {name!r} leaves the step")
+        ok = (
+            isinstance(e, dict)
+            and isinstance(e.get("size"), int)
+            and isinstance(e.get(storage.CHECKSUM), int)
+            and isinstance(e.get("chunks"), list)
+            and all(isinstance(a, str) and len(a) == 32 and a.isalnum() for a in e["chunks"])
+        )
+        if not ok:
+            raise ValueError(f"entry of {name!r} is not size, crc32c and chunk addresses")
 
 
 def _chunks(path: Path) -> Iterator[bytes]:

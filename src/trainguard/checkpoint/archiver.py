@@ -172,7 +172,7 @@ def restore_newest(archives: list[Archive], root: Path, emit: Emit) -> int | Non
             emit("archive_restore_started", step=step, url=a.url)
             try:
                 path = a.fetch(step, root)
-            except ArchiveError as e:
+            except (ArchiveError, OSError) as e:  # OSError: the hot tier cannot take it
                 emit("checkpoint_corrupt", step=step, tier="archive", url=a.url, problems=[str(e)])
                 continue
             size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

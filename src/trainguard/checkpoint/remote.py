@@ -21,13 +21,29 @@ class ArchiveError(CheckpointError):
     one line naming the URL, the problem and the fix."""
 
 
+# fsspec schemes that can hold an archive (read-only or archive-file schemes cannot)
+WRITABLE = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs",
+                      "webhdfs", "oss", "memory"})  # fmt: skip
+
+
 def check_archive_url(url: str) -> None:
-    """Raise ValueError naming the fix when ``url`` has no fsspec backend here (an unknown
-    scheme, or s3fs/gcsfs not installed). Imports the backend; reaches nothing."""
+    """Raise ValueError naming the fix when ``url`` cannot hold an archive: an unknown or
+    read-only scheme, no bucket or path after it, or a backend (s3fs, gcsfs) not installed.
+    Imports the backend; reaches nothing."""
     import fsspec
     from fsspec.core import split_protocol
+    from fsspec.registry import known_implementations
 
-    proto = split_protocol(url)[0] or "file"
+    proto, rest = split_protocol(url)
+    proto = proto or "file"
+    if proto in known_implementations and proto not in WRITABLE:
+        raise ValueError(
+            f"archive_url = {url!r}: scheme {proto!r} cannot hold an archive; use "
+            "s3://bucket/prefix, gs://bucket/prefix or file:///path"
+        )
+    if not rest.strip("/"):
+        where = "a bucket (s3://bucket/prefix)" if proto != "file" else "a path (file:///path)"
+        raise ValueError(f"archive_url = {url!r}: give {where} after the scheme")
     try:
         fsspec.get_filesystem_class(proto)
     except ValueError:
@@ -56,8 +72,10 @@ def describe(url: str, e: BaseException) -> str:
         fix = "create the bucket or check archive_url"
     elif any(w in low for w in ("connect", "timeout", "timed out", "unreachable", "refused")):
         fix = "check archive_url / archive_endpoint_url and the network"
-    elif "no space" in low:
-        fix = "free space where the step is written"
+    elif "no space" in low or "quota" in low:
+        fix = "free space at the archive (or lower archive_keep)"
+    elif "permission" in low or "read-only" in low:
+        fix = "make the archive's location writable for this user"
     else:
         fix = "check archive_url"
     return f"archive {url}: {text}; {fix}"

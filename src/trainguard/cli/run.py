@@ -85,7 +85,7 @@ def load_fields(
         want = _type_name(hints[name])
         if want is not None and not _has_type(value, hints[name]):
             raise ValueError(
-                f"--config {path}: {name} = {value!r} is a {_toml_type(value)}; {name} takes {want}"
+                f"--config {path}: {name} = {value!r} is {_toml_type(value)}; {name} takes {want}"
             )
     return extra
 
@@ -125,9 +125,8 @@ def _type_name(hint: Any) -> str | None:
 
 
 def _toml_type(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array"}.get(
-        type(value), type(value).__name__
-    )
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+            list: "a list"}.get(type(value), f"a {type(value).__name__}")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace) -> JobConfig:

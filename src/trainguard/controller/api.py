@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 from typing import Any
 
 from trainguard.checkpoint.archive import check_archive_url
@@ -66,6 +67,12 @@ class Pool(enum.StrEnum):
 
 
 REPORTS_PER_S = 1000.0  # the agents' report rate the controller is sized for (see below)
+
+
+def split_host_port(addr: str) -> tuple[str, str]:
+    """("host", "port") of ``HOST:PORT`` or ``[V6]:PORT``."""
+    host, _, port = addr.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), port
 
 
 def scaled_timing(nodes: int) -> tuple[float, float]:
@@ -256,13 +263,41 @@ class JobConfig:
             "zstd+shuf2",
         )
         if self.metrics_bind is not None:
-            host, _, port = self.metrics_bind.rpartition(":")
+            host, port = split_host_port(self.metrics_bind)
             need(
                 bool(host) and port.isdigit() and 0 < int(port) < 65536,
-                f"metrics_bind = {self.metrics_bind!r}: use HOST:PORT, e.g. 0.0.0.0:9400",
+                f"metrics_bind = {self.metrics_bind!r}: use HOST:PORT, e.g. 0.0.0.0:9400 or "
+                "[::]:9400",
             )
+        need(
+            not self.metrics_open or self.metrics_bind is not None,
+            "metrics_open = true needs metrics_bind = HOST:PORT (the address to serve it on)",
+        )
         for url in self.archive_urls:
             check_archive_url(url)
+        norm = [u.rstrip("/") for u in self.archive_urls]
+        need(
+            len(set(norm)) == len(norm),
+            f"archive_url lists {sorted({u for u in norm if norm.count(u) > 1})} twice: give "
+            "each copy its own target (another bucket or prefix)",
+        )
+        for url in norm:
+            local = url.removeprefix("file://") if url.startswith("file://") else None
+            if local is None and "://" not in url:
+                local = url
+            if local:
+                hot = os.path.realpath(self.ckpt_dir)
+                there = os.path.realpath(local)
+                need(
+                    not (there == hot or there.startswith(hot + os.sep)
+                         or hot.startswith(there + os.sep)),
+                    f"archive_url = {url!r} overlaps the durable tier {self.ckpt_dir}: the cold "
+                    "tier must be somewhere else (another disk, a bucket)",
+                )  # fmt: skip
+        need(
+            bool(self.archive_urls) or self.archive_copies == 1,
+            "archive_copies is set but archive_url is not: give the cold tier's targets",
+        )
         need(
             not self.archive_urls or 1 <= self.archive_copies <= len(self.archive_urls),
             f"archive_copies = {self.archive_copies}: between 1 and the {len(self.archive_urls)} "

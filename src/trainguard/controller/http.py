@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainguard.controller")
 MAX_WAIT_S = 30.0  # the longest long poll
-PUBLIC = frozenset({"/", PLOTLY_PATH})  # the page and its script: no data in them
+PUBLIC = frozenset({"/", PLOTLY_PATH, "/favicon.ico"})  # the page and its script: no data in them
 READ_ONLY = frozenset({"/v1/view", "/v1/status", "/metrics"})  # the view token's reach
 
 
@@ -76,6 +76,7 @@ class HttpApi:
                 web.get("/v1/view", self._view_json),
                 web.get("/", self._page),
                 web.get(PLOTLY_PATH, self._plotly),
+                web.get("/favicon.ico", self._no_icon),
             ]
         )
         return app
@@ -206,6 +207,9 @@ class HttpApi:
 
     async def _page(self, request: web.Request) -> web.Response:
         return web.Response(text=html.page(), content_type="text/html", charset="utf-8")
+
+    async def _no_icon(self, request: web.Request) -> web.Response:
+        return web.Response(status=204)  # browsers ask; nothing to log
 
     async def _plotly(self, request: web.Request) -> web.Response:
         return web.Response(

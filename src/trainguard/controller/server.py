@@ -27,6 +27,7 @@ from trainguard.controller.api import (
     NodeObs,
     Phase,
     Pool,
+    split_host_port,
 )
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
@@ -219,12 +220,19 @@ class Controller:
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         if self.cfg.metrics_bind:  # a fixed address for Prometheus, open if metrics_open
-            mhost, _, mport = self.cfg.metrics_bind.rpartition(":")
+            mhost, mport = split_host_port(self.cfg.metrics_bind)
             self._metrics_runner = web.AppRunner(
                 api.metrics_app(self.cfg.metrics_open), access_log=None
             )
             await self._metrics_runner.setup()
-            await web.TCPSite(self._metrics_runner, mhost, int(mport)).start()
+            try:
+                await web.TCPSite(self._metrics_runner, mhost, int(mport)).start()
+            except OSError as e:  # in use, or not an address of this host
+                await self.close()
+                raise ValueError(
+                    f"metrics_bind = {self.cfg.metrics_bind!r}: cannot listen there "
+                    f"({e.strerror or e}); pick a free port on an address of this host"
+                ) from None
         # The tick's thread hands the GIL to the loop's reports within 1 ms, not Python's
         # default 5 ms (a report needs it several times: at thousands of nodes that was the
         # report latency's tail).

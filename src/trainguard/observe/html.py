@@ -47,8 +47,16 @@ def write_report(run_dir: Path, out: Path) -> Path:
     """``trainguard report --html``: the run's view as one HTML file. Returns ``out``."""
     from trainguard.observe.view import build_view
 
+    if out.is_dir():
+        raise ValueError(f"--html {out}: is a directory; give a file name, e.g. {out}/report.html")
     text = page(build_view(run_dir))
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    try:
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(
+            f"--html {out}: cannot write it ({e.strerror or e}); pick a writable path"
+        ) from None
     return out

@@ -51,7 +51,7 @@ class StatusLine:
 def job_line(ctl: Controller) -> str:
     """One line about the job, from the controller's state and the monitor's figures."""
     s, fig = ctl.state, ctl.monitor.figures
-    parts = [f"{s.phase.value.lower()} gen {s.generation}"]
+    parts = [s.phase.value.lower() + (f" gen {s.generation}" if s.generation >= 0 else "")]
     if s.restarts:
         parts[0] += f" restarts {s.restarts}"
     if fig.newest >= 0:

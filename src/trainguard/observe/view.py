@@ -90,7 +90,7 @@ def build_view(run_dir: Path, *, max_points: int = 2000) -> dict[str, Any]:
         "stragglers": _stragglers(rows, cfg, max_points),
         "recoveries": _recoveries(state),
         "checkpoints": _tiers(events),
-        "goodput": _goodput(rank0, kept, state, t0, t1),
+        "goodput": _goodput(rank0, kept, state, t0, t1, _preflight_s(events)),
         "alerts": [e for e in events if e["kind"] in ALERT_KINDS][-50:],
     }
 
@@ -186,26 +186,43 @@ def _tiers(events: list[dict[str, Any]]) -> dict[str, Any]:
     return newest
 
 
+def _preflight_s(events: list[dict[str, Any]]) -> float:
+    """Seconds of pre-flight checks before the first generation (as ``trainguard report``
+    counts them: not against goodput)."""
+    first = next((e["ts"] for e in events if e["kind"] == "generation_started"), None)
+    return sum(
+        float(e.get("stage_s", {}).get("total") or 0.0)
+        for e in events
+        if e["kind"] == "preflight_finished" and (first is None or e["ts"] <= first)
+    )
+
+
 def _goodput(
     rank0: list[tuple[Any, ...]],
     kept: dict[int, tuple[Any, ...]],
     state: dict[str, Any],
     t0: float | None,
     t1: float | None,
+    preflight: float,
 ) -> dict[str, float]:
-    """Seconds of the run's wall time: productive steps, steps computed again after a
-    restore (recomputation), recoveries (fault to first resumed step), time in checkpoint
-    saves (the ``checkpoint`` section: the step's stall), and the rest (start-up, rendezvous
-    of the first generation, the end)."""
+    """Seconds of the run's wall time: pre-flight checks before the first generation (not
+    counted against goodput, as in ``trainguard report``), productive steps, steps computed
+    again after a restore (recomputation), recoveries (fault to first resumed step), time in
+    checkpoint saves (the ``checkpoint`` section: the step's stall), and the rest (start-up,
+    rendezvous of the first generation, the end). ``ratio``: productive over wall time less
+    pre-flight, the report's goodput (ETTR) figure."""
     wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
     ckpt = sum(float(json.loads(r[7] or "{}").get("checkpoint", 0.0)) for r in kept.values())
     productive = sum(r[4] for r in kept.values() if r[4]) - ckpt
     redone = sum(r[4] for r in rank0 if r[4] and kept.get(r[2]) is not r)
     recs = [*state.get("recoveries", []), *([state["recovery"]] if state.get("recovery") else [])]
     recovery = sum((r.get("durations_s") or {}).get("total") or 0.0 for r in recs)
-    other = max(0.0, wall - productive - redone - recovery - ckpt)
+    other = max(0.0, wall - preflight - productive - redone - recovery - ckpt)
+    counted = wall - preflight
     return {
         "wall_s": wall,
+        "ratio": max(0.0, productive) / counted if counted > 0 else 0.0,
+        "preflight_s": preflight,
         "productive_s": max(0.0, productive),
         "recomputation_s": redone,
         "recovery_s": recovery,
