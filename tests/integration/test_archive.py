@@ -198,7 +198,7 @@ def test_an_unreachable_tier_is_an_event_with_the_fix_and_training_state_is_unto
     _steps(hot, 1)
     closed = f"http://127.0.0.1:{free_port()}"
     seen: list[tuple[str, dict[str, object]]] = []
-    dead = Archive("s3://nowhere/job", endpoint_url=closed)
+    dead = Archive("s3://nowhere/job", endpoint_url=closed, retries=1)
     arch = Archiver(dead, hot, every=0, keep=2, emit=lambda k, **d: seen.append((k, d)), poll_s=0.1)
     arch.start()
     try:
@@ -212,7 +212,7 @@ def test_an_unreachable_tier_is_an_event_with_the_fix_and_training_state_is_unto
     assert "check archive_url" in reason and "\n" not in reason, reason
     assert storage.list_committed(hot) == [1] and storage.verify(hot, 1) == []
     assert restore_newest([dead], tmp_path / "other", lambda k, **d: seen.append((k, d))) is None
-    missing = Archive("s3://no-such-bucket/job")  # a reachable server, a wrong bucket
+    missing = Archive("s3://no-such-bucket/job", retries=1)  # reachable server, wrong bucket
     with pytest.raises(ArchiveError, match="no-such-bucket"):
         missing.upload(storage.step_dir(hot, 1), 1)
 

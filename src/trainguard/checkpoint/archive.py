@@ -29,9 +29,9 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c
 
@@ -39,6 +39,7 @@ from trainguard.checkpoint import codec, storage
 from trainguard.checkpoint.api import MANIFEST
 from trainguard.checkpoint.remote import (
     NOT_FOUND,
+    RETRIES,
     ArchiveError,
     Throttle,
     check_archive_url,
@@ -50,6 +51,7 @@ __all__ = ["CHUNK", "Archive", "ArchiveError", "check_archive_url"]
 # Bytes a chunk: S3's advice for ranged requests is 8-16 MiB; the smaller end keeps what an
 # incremental step re-uploads around a changed tensor small (at most a chunk on each side).
 CHUNK = 8 << 20
+T = TypeVar("T")
 SAMPLE_CHUNKS = 2  # chunks of each step that the compression chooser measures
 
 
@@ -64,6 +66,7 @@ class Archive:
         mbps: upload bandwidth cap in MB/s of stored bytes (0 = none).
         compress: "auto" (when measured to pay against the link: ``codec.Chooser``), "off",
             or a mode ("zstd", "zstd+shuf4", "zstd+shuf2").
+        retries: attempts after the first of each request (``remote.retry``).
 
     Raises ValueError naming the fix when the URL's backend is unknown or not installed.
     """
@@ -76,6 +79,7 @@ class Archive:
         concurrency: int = 8,
         mbps: float = 0.0,
         compress: str = "auto",
+        retries: int = RETRIES,
     ) -> None:
         import fsspec
 
@@ -100,11 +104,15 @@ class Archive:
         self.fs, base = fsspec.core.url_to_fs(self.url, **opts)
         self.base = base.rstrip("/")
         self.concurrency = max(1, concurrency)
+        self.retries = retries
         self._throttle = Throttle(mbps)
         if compress not in ("auto", "off", *codec.Chooser.NAMES):
             raise ValueError(f"archive_compress = {compress!r}: use auto, off, zstd, zstd+shuf4 or zstd+shuf2")  # fmt: skip
         self.chooser = codec.Chooser(policy=compress, threads=self.concurrency)
         self._known: set[str] | None = None  # addresses the tier holds (from its manifests)
+
+    def _retry(self, fn: Callable[[], T], *args: Any, **kw: Any) -> T:
+        return retry(fn, *args, retries=self.retries, **kw)
 
     def _path(self, step: int, name: str = "") -> str:
         return f"{self.base}/step_{step}" + (f"/{name}" if name else "")
@@ -127,19 +135,23 @@ class Archive:
                 return []  # nothing archived yet
 
         steps = []
-        for entry in retry(ls, self.url):
+        for entry in self._retry(ls, self.url):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if name.startswith("step_") and name[5:].isdigit():
                 steps.append(int(name[5:]))
         return sorted(
-            s for s in steps if retry(lambda s=s: self.fs.exists(self._path(s, MANIFEST)), self.url)
+            s
+            for s in steps
+            if self._retry(lambda s=s: self.fs.exists(self._path(s, MANIFEST)), self.url)
         )
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The step's manifest. Raises ArchiveError when it is missing or unreadable."""
         try:
             path = self._path(step, MANIFEST)
-            m = json.loads(retry(lambda: self.fs.cat_file(path), self.url, passthrough=NOT_FOUND))
+            m = json.loads(
+                self._retry(lambda: self.fs.cat_file(path), self.url, passthrough=NOT_FOUND)
+            )
             _check_manifest(m)
             return m
         except (FileNotFoundError, ValueError, TypeError, AttributeError, KeyError) as e:
@@ -181,7 +193,7 @@ class Archive:
             stored = codec.encode(raw, mode)
             self._throttle.take(len(stored))
             t = time.monotonic()
-            retry(lambda: self.fs.pipe_file(self.chunk_path(addr), stored), self.url, stop)
+            self._retry(lambda: self.fs.pipe_file(self.chunk_path(addr), stored), self.url, stop)
             with lock:
                 stats["put_s"] += time.monotonic() - t
                 stats["stored_bytes"] += len(stored)
@@ -197,7 +209,7 @@ class Archive:
         body = {**manifest, "archive": {"files": files, "chunk_bytes": CHUNK, "time": time.time(),
                                          "mode": mode.name.lower()}}  # fmt: skip
         data = json.dumps(body).encode()
-        retry(lambda: self.fs.pipe_file(self._path(step, MANIFEST), data), self.url, stop)
+        self._retry(lambda: self.fs.pipe_file(self._path(step, MANIFEST), data), self.url, stop)
         return {
             "bytes": sum(f["size"] for f in files.values()),
             "files": len(files),
@@ -255,7 +267,7 @@ class Archive:
 
         def get(addr: str) -> bytes:
             try:
-                stored = retry(
+                stored = self._retry(
                     lambda: self.fs.cat_file(self.chunk_path(addr)), self.url, passthrough=NOT_FOUND
                 )
             except FileNotFoundError:
@@ -352,12 +364,12 @@ class Archive:
         uploads). Returns how many. Call it only while nothing uploads to this tier."""
         live = self._referenced(self.list_steps())
         try:
-            stored = retry(lambda: self.fs.find(f"{self.base}/chunks"), self.url)
+            stored = self._retry(lambda: self.fs.find(f"{self.base}/chunks"), self.url)
         except ArchiveError:
             return 0
         dead = [p for p in stored if p.rsplit("/", 1)[-1] not in live]
         if dead:
-            retry(lambda: self.fs.rm(dead), self.url)
+            self._retry(lambda: self.fs.rm(dead), self.url)
         self._known = live
         return len(dead)
 

@@ -86,12 +86,13 @@ def retry(
     url: str,
     stop: threading.Event | None = None,
     passthrough: tuple[type[BaseException], ...] = (),
+    retries: int = RETRIES,
 ) -> T:
-    """``fn()``, retried ``RETRIES`` times with jittered exponential back-off (not for refused
+    """``fn()``, retried ``retries`` times with jittered exponential back-off (not for refused
     credentials or a missing bucket: those do not heal); the last error is raised as
     ArchiveError naming the fix. ``passthrough`` errors are raised at once, as they are."""
     delay = 0.5
-    for attempt in range(RETRIES + 1):
+    for attempt in range(retries + 1):
         try:
             return fn()
         except ArchiveError:
@@ -101,7 +102,7 @@ def retry(
         except Exception as e:  # every backend has its own errors: the message says which
             low = str(e).lower()
             lasting = any(w in low for w in _REFUSED + _NO_BUCKET)
-            if lasting or attempt == RETRIES or (stop is not None and stop.is_set()):
+            if lasting or attempt == retries or (stop is not None and stop.is_set()):
                 raise ArchiveError(describe(url, e)) from e
         time.sleep(delay * random.uniform(0.5, 1.5))
         delay = min(8.0, delay * 2)
