@@ -97,14 +97,18 @@ class Prefetcher:
         self._failed: set[int] = set()  # steps that could not be copied (not retried)
 
     def follow(self, durable: Path, dest: Path) -> None:
+        """Keep ``dest`` holding the newest committed step of ``durable`` (called on every
+        reconcile while the node is a standby: cheap when nothing changed)."""
         with self._lock:
+            changed = self._target != (durable, dest)
             self._target, self._dest = (durable, dest), dest
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="trainguard-prefetch", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+        if changed:
+            self._wake.set()
 
     def pause(self) -> None:
         with self._lock:
