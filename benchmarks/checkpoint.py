@@ -120,6 +120,8 @@ def wait_idle() -> None:
 
 
 def run(size_gb: float, repeats: int, rounds: int, base: Path) -> dict[str, Any]:
+    from trainguard.checkpoint.snapshot import SLOTS
+
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-", dir=base))
     shm = tmp / "shm"
     shm.mkdir()
@@ -129,7 +131,7 @@ def run(size_gb: float, repeats: int, rounds: int, base: Path) -> dict[str, Any]
             "-t",
             "tmpfs",
             "-o",
-            f"size={int(size_gb * 2.5 * 1024 + 256)}m",
+            f"size={int(size_gb * (SLOTS + 0.5) * 1024 + 256)}m",  # every slot of the rank
             "tmpfs",
             str(shm),
         ],
