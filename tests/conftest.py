@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -101,6 +102,16 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
     )
     assert not zombies, f"zombies left behind: {zombies}"
     assert not new_shm, f"/dev/shm segments left behind: {new_shm}"
+
+
+def drop_segments(pattern: str) -> None:
+    """Remove /dev/shm entries matching ``pattern`` (slots are files, a standby's prefetched
+    step a directory): what a killed host or a failed test left in memory."""
+    for seg in Path("/dev/shm").glob(pattern):
+        if seg.is_dir():
+            shutil.rmtree(seg, ignore_errors=True)
+        else:
+            seg.unlink(missing_ok=True)
 
 
 def _cmd(p: psutil.Process) -> list[str] | str:

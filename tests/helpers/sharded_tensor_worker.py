@@ -31,13 +31,14 @@ else:
     st2 = sharded_tensor.empty(spec, 10, 3)
     for s in st2.local_shards():
         s.tensor.zero_()
-    print(
-        r,
-        ck.load({"m": {"st": st2}}),
-        all(
-            torch.equal(a.tensor, b.tensor)
-            for a, b in zip(st.local_shards(), st2.local_shards(), strict=True)
-        ),
+    step = ck.load({"m": {"st": st2}})
+    equal = all(
+        torch.equal(a.tensor, b.tensor)
+        for a, b in zip(st.local_shards(), st2.local_shards(), strict=True)
     )
+    # One write per rank: unbuffered print() writes each field apart, and three ranks share
+    # the pipe (seen: "11" and "TrueTrue").
+    sys.stdout.write(f"{r} {step} {equal}\n")
+    sys.stdout.flush()
     ck.close()
 dist.destroy_process_group()

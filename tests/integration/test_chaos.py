@@ -23,7 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FAST_CONFIG, TINY, events, losses, report, run_job, start_job
+from tests.conftest import (
+    FAST_CONFIG,
+    TINY,
+    drop_segments,
+    events,
+    losses,
+    report,
+    run_job,
+    start_job,
+)
 from tests.integration.test_own_faults import _flip, _flip_snapshot, _job, _kill_everything
 from trainguard.checkpoint import snapshot, storage
 
@@ -211,8 +220,7 @@ def test_chaos_of_every_fault_kind_ends_with_the_fault_free_losses(tmp_path: Pat
     finally:
         if chaos.proc is not None and chaos.proc.poll() is None:
             _kill_everything(run, chaos.proc)
-        for seg in Path("/dev/shm").glob(f"trainguard-{_job(run)}-*"):
-            seg.unlink(missing_ok=True)
+        drop_segments(f"trainguard-{_job(run)}-*")
     print("\n".join(chaos.log))
     why = "\n".join(chaos.log) + "\n" + err[-3000:]
     assert code == 0, why

@@ -24,6 +24,7 @@ from tests.conftest import (
     GPT,
     ROOT,
     TINY,
+    drop_segments,
     fault_free_losses,
     losses,
     reached_step,
@@ -155,8 +156,7 @@ def job(hosts: Hosts, tmp_path: Path) -> Iterator[Job]:
 def _lose_memory(run_dir: Path, node: str) -> None:
     """A host that lost power lost its memory: remove its snapshot slots ("" = every host)."""
     job = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
-    for seg in Path("/dev/shm").glob(f"trainguard-{job}-{node + '-' if node else ''}*"):
-        seg.unlink(missing_ok=True)
+    drop_segments(f"trainguard-{job}-{node + '-' if node else ''}*")
 
 
 def _fault(evs: list[dict[str, object]]) -> tuple[object, object] | None:

@@ -26,6 +26,7 @@ from tests.conftest import (
     ROOT,
     TINY,
     agent_pid,
+    drop_segments,
     events,
     fault_free_losses,
     finish_job,
@@ -263,8 +264,7 @@ def test_a_rerun_of_a_run_dir_killed_whole_never_mixes_the_two_runs(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        for seg in Path("/dev/shm").glob(f"trainguard-{_job(run)}-*"):  # a failed test's
-            seg.unlink(missing_ok=True)
+        drop_segments(f"trainguard-{_job(run)}-*")  # a failed test's
 
 
 def _check_rerun(run: Path, reference: dict[int, float]) -> None:
