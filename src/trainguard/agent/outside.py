@@ -5,8 +5,8 @@ still sees its process: the kernel's process state (``T``: stopped by SIGSTOP or
 and the CPU time of its process tree (the worker and its data-loader children). From these:
 
 - a rank whose process has been *stopped* for ``hang_timeout_min_s`` is hung (any script);
-- each rank's CPU-idle seconds (its process tree used less than ``WORKING_CPU_SHARE`` of a
-  core) go to the controller, which calls a job without the runtime wedged when *every* rank
+- each rank's CPU-idle seconds (its main thread and child processes used less than
+  ``WORKING_CPU_SHARE`` of a core) go to the controller, which calls a job without the runtime wedged when *every* rank
   idled for ``hang_timeout_s`` (else ``hang_timeout_max_s``): one idle rank may just be
   waiting for a busy peer on another node (decide.py).
 
@@ -34,10 +34,18 @@ _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def tree_cpu_s(proc: psutil.Process) -> float:
-    """User + system CPU seconds of ``proc`` and its live descendants. Raises psutil.Error
-    when ``proc`` itself is gone."""
-    t = proc.cpu_times()
-    total = t.user + t.system
+    """User + system CPU seconds of ``proc``'s main thread and of its live descendants (data
+    loader workers), whole. The worker's other threads are left out: gloo's and NCCL's
+    progress loops and trainguard's reporter poll on their own whatever the script does
+    (seen: gloo's loop thread using 0.5% of a core in a rank blocked for good after its
+    peers exited, which read as work and hid the stuck exit). Raises psutil.Error when
+    ``proc`` itself is gone."""
+    main = next((t for t in proc.threads() if t.id == proc.pid), None)
+    if main is not None:
+        total = main.user_time + main.system_time
+    else:
+        t = proc.cpu_times()
+        total = t.user + t.system
     for child in proc.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             c = child.cpu_times()
