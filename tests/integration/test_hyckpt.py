@@ -390,11 +390,18 @@ def test_ckptd_killed_under_run_is_restarted_and_training_goes_on(tmp_path: Path
 def test_a_frozen_ckptd_is_killed_restarted_and_no_rank_is_blamed(tmp_path: Path) -> None:
     """Issue 13, property 2: ckptd SIGSTOPped (alive, answering nothing) is found by its
     agent's liveness deadline (15 s), killed and restarted; the ranks blocked on it send
-    keep-alives while they retry, so no hang verdict falls on them; nothing is lost."""
-    from tests.conftest import TINY, events, losses, reached_step, start_job
+    keep-alives while they retry, so no hang verdict falls on them; nothing is lost. The node
+    timeout (1.9 s) is shorter than the agent's deadline for one ckptd status call (2 s): the
+    node's heartbeat must not wait on its ckptd (CI's chaos run lost a node whose ckptd was
+    frozen, then retired it and waited for a replacement for good)."""
+    from tests.conftest import FAST_CONFIG, TINY, events, losses, reached_step, start_job
 
     run = tmp_path / "run"
-    proc = start_job(run, ["--nodes", "2"], [*TINY, "--steps", "150", "--durable-every", "10"])
+    config = FAST_CONFIG.replace("node_timeout_s = 3.0", "node_timeout_s = 1.9")
+    assert config != FAST_CONFIG
+    proc = start_job(
+        run, ["--nodes", "2"], [*TINY, "--steps", "150", "--durable-every", "10"], config=config
+    )
     wait_for(lambda: reached_step(run, 20), 90, "step 20")
     out = subprocess.run(
         ["pgrep", "-f", f"trainguard.checkpoint.ckptd .*--node node0 --ckpt-dir {run}"],

@@ -116,6 +116,7 @@ class Agent:
         self._wake = threading.Event()
         self._report_now = threading.Event()
         self._shutdown = threading.Event()
+        self._ckptd_off = threading.Event()  # set when the agent stops its ckptd for good
         # No spares before the controller says how many (a node may be checked first).
         self._desired: tuple[int, Desired] = (0, Idle())
         self._run_desired: Run | None = None  # the generation whose workers run here
@@ -196,6 +197,7 @@ class Agent:
         threading.Thread(target=self._warm_torch, name="agent-warm", daemon=True).start()
         threading.Thread(target=self._poll_loop, name="agent-poll", daemon=True).start()
         threading.Thread(target=self._report_loop, name="agent-report", daemon=True).start()
+        threading.Thread(target=self._ckptd_loop, name="agent-ckptd", daemon=True).start()
         log.info(
             "agent %s (%s) up at %s, reports on udp %d",
             self.cfg.node_id,
@@ -226,6 +228,7 @@ class Agent:
             self.checks.stop()
             self._stop_workers(grace_s=15.0)
             self.launcher.close()
+            self._ckptd_off.set()  # its status thread must not kill it mid-final-persist
             self.ckptd.stop()
             self.report_once(timeout_s=2.0)
         return code
@@ -579,11 +582,19 @@ class Agent:
             self._events.append({"kind": kind, **data})
 
     # ------------------------------------------------------------------ controller I/O
+    def refresh_ckptd(self) -> None:
+        """Read what the node's ckptd holds and hand it the controller's orders (its own
+        thread in ``run``; a test driving the seam calls it before ``report_once``). The
+        next report carries the result: the heartbeat never waits on ckptd."""
+        events = self.ckptd.refresh(self._desired[1])
+        if events:
+            with self._lock:
+                self._events.extend(events)
+
     def _snapshot(self) -> dict[str, Any]:
-        ckptd_events = self.ckptd.status(self._desired[1])
         now = time.monotonic()
         with self._lock:
-            events, self._events = self._events + ckptd_events, []
+            events, self._events = self._events, []
             steps, self._steps = self._steps, {}
         return {
             "v": protocol.PROTOCOL_VERSION,
@@ -676,6 +687,16 @@ class Agent:
                 log.exception("building a report failed; retrying")
                 ok = False
             backoff = 0.1 if ok else backoff_after(backoff)
+
+    def _ckptd_loop(self) -> None:
+        while not self._ckptd_off.is_set():
+            hb = self._run_desired.heartbeat_s if self._run_desired is not None else 0.5
+            if self._ckptd_off.wait(hb):
+                return
+            try:
+                self.refresh_ckptd()
+            except Exception:  # the memory index goes stale, the node stays alive
+                log.exception("reading ckptd's status failed; retrying")
 
     def _poll_loop(self) -> None:
         backoff = 0.1

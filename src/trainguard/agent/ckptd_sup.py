@@ -104,9 +104,12 @@ class CkptdSupervisor:
             self._client = ckptd_mod.CkptdClient(ckptd_mod.socket_name(self.job_id, self.node_id))
         return self._client.call(req, timeout_s=timeout_s)
 
-    def status(self, desired: Desired) -> list[dict[str, Any]]:
+    def refresh(self, desired: Desired) -> list[dict[str, Any]]:
         """Refresh what it holds (2 s deadline), carry out ``desired``'s orders for it, and
-        return the events it queued. Called by the agent's report thread."""
+        return the events it queued. Called by the agent's ckptd thread, never by its report
+        thread: a frozen or busy ckptd delays these calls by their deadlines (2 s + 5 s +
+        2 s), which must not delay the node's heartbeat (the controller declares a node
+        lost after ``node_timeout_s`` without one)."""
         if self.proc is None or self.proc.poll() is not None:
             self.memory, self.fingerprints = {}, {}
             return []
