@@ -28,6 +28,7 @@ from tests.helpers.slurm import Slurm, available, slurm_cluster
 
 pytestmark = [
     pytest.mark.slow,  # Slurm daemons and whole jobs (CI's slow run)
+    pytest.mark.xdist_group("slurm"),  # one cluster (module fixture), one worker
     pytest.mark.skipif(available() is not None, reason=str(available())),
 ]
 SBATCH = ROOT / "deploy" / "slurm" / "trainguard.sbatch"
@@ -69,13 +70,23 @@ def _output(run: Path) -> str:
     return "".join(p.read_text() for p in run.parent.glob("slurm-*.out"))
 
 
+def _wait_step(slurm: Slurm, run: Path, job: int, step: int) -> None:
+    """Wait up to 240 s for the job to reach ``step``; on a timeout say where it is: the
+    job's Slurm state, its output and the daemons' logs (CI once timed out here silently)."""
+    try:
+        wait_for(lambda: reached_step(run, step), 240, f"step {step} under Slurm")
+    except AssertionError as e:
+        logs = {p.name: p.read_text()[-1500:] for p in slurm.dir.glob("slurm*.log")}
+        raise AssertionError(f"{e}\njob: {slurm.job(job)}\n{_output(run)[-3000:]}\n{logs}") from e
+
+
 @pytest.mark.timeout(900)
 def test_a_preempted_job_is_requeued_and_resumes_with_the_losses_of_an_uninterrupted_run(
     slurm: Slurm, tmp_path: Path, reference: dict[int, float]
 ) -> None:
     run = tmp_path / "run"
     job = _submit(slurm, run)
-    wait_for(lambda: reached_step(run, 40), 240, f"step 40 under Slurm:\n{_output(run)[-2000:]}")
+    _wait_step(slurm, run, job, 40)
     res = slurm.run("scancel", "--batch", "--signal=TERM", str(job))  # as --signal=B:TERM@T
     assert res.returncode == 0, res.stderr
     # A requeued job waits out its credential's lifetime (120 s by default; the test
@@ -98,7 +109,7 @@ def test_a_killed_agents_node_is_replaced_by_the_allocations_standby(
 ) -> None:
     run = tmp_path / "run"
     job = _submit(slurm, run)
-    wait_for(lambda: reached_step(run, 30), 240, f"step 30 under Slurm:\n{_output(run)[-2000:]}")
+    _wait_step(slurm, run, job, 30)
 
     def agent_of(node_rank: int) -> psutil.Process:
         running = [e for e in events(run) if e["kind"] == "generation_started"][-1]

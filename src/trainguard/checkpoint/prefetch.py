@@ -29,7 +29,7 @@ from trainguard.checkpoint.api import MANIFEST
 
 log = logging.getLogger("trainguard.prefetch")
 CHUNK = 8 << 20
-POLL_S = 2.0  # how often a standby looks for a newer durable step
+POLL_S = 0.5  # how often a standby looks for a newer durable step (one directory listing)
 
 
 def prefetch_root(shm_dir: str | Path, job: str, node: str) -> Path:
