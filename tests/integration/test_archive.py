@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,6 +216,39 @@ def test_an_unreachable_tier_is_an_event_with_the_fix_and_training_state_is_unto
     missing = Archive("s3://no-such-bucket/job", retries=1)  # reachable server, wrong bucket
     with pytest.raises(ArchiveError, match="no-such-bucket"):
         missing.upload(storage.step_dir(hot, 1), 1)
+
+
+def test_two_targets_archive_the_same_steps_at_once(tmp_path: Path) -> None:
+    """One archiver per target (two ``file://`` tiers), both picking up each new durable step
+    at the same moment: each stages its own hard-linked copy. CI's slow run lost the final
+    step of both targets when they shared one staging directory (one re-staged it while the
+    other read it, the first to finish removed it); this loop failed 19 of 56 uploads so."""
+    hot = tmp_path / "ck"
+    ck = Checkpointer(hot, durable_every=1, keep=2)
+    ck.save(1, {"w": torch.randn(1000)})
+    ck.wait()
+    seen: list[tuple[str, dict[str, object]]] = []
+    targets = [Archive(f"file://{tmp_path}/tier{i}") for i in range(2)]
+    archs = [
+        Archiver(a, hot, every=0, keep=2, emit=lambda k, **d: seen.append((k, d)), poll_s=0.01)
+        for a in targets
+    ]
+    (hot / ".archiving-00000000-step_1").mkdir()  # another target's leftover: not ours
+    for arch in archs:
+        arch.start()
+    try:
+        for step in range(2, 14):
+            ck.save(step, {"w": torch.full((100_000,), float(step))})
+            ck.wait()
+            time.sleep(0.2)
+        ck.close()
+    finally:
+        for arch in archs:
+            arch.close(timeout_s=60)
+    assert not [d for k, d in seen if k == "archive_failed"], seen
+    for a in targets:
+        assert a.list_steps()[-1] == 13 and a.verify(13) == []
+    assert [p.name for p in hot.glob(".archiving-*")] == [".archiving-00000000-step_1"]
 
 
 def test_a_bad_archive_url_is_refused_before_the_job_starts(tmp_path: Path) -> None:

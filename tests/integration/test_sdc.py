@@ -93,12 +93,13 @@ def test_a_flipped_bit_in_one_of_four_replicas_is_named_rolled_back_and_loses_no
     print(f"durable step 25 of the corrupt generation committed: {bool(durable_25)}")
 
 
-def test_two_replicas_that_disagree_roll_back_without_naming_a_culprit(
+def test_two_replicas_without_a_standby_roll_back_and_the_rerun_names_a_transient_culprit(
     tmp_path: Path, reference2: dict[int, float]
 ) -> None:
-    """With 2 replicas no majority names the culprit: the job rolls back (nobody is
-    quarantined) and still ends with the fault-free losses. The flipped bit is in the
-    optimizer's state (an Adam moment): the snapshot holds it, so the fingerprints see it."""
+    """With 2 replicas no majority names the culprit: the job rolls back and recomputes on
+    the same nodes (no standby); the flip was transient (a drill fires once), so the rerun
+    agrees, with node0's old state: node1 is named, and kept (no standby to take its place).
+    The flipped bit is in the optimizer's state (an Adam moment): the snapshot holds it."""
     run = tmp_path / "run"
     flip = "sdc:rank=1:step=30:target=optimizer:bit=20"
     proc = start_job(run, ["--nodes", "2", "--inject", flip], ARGS)
@@ -110,9 +111,42 @@ def test_two_replicas_that_disagree_roll_back_without_naming_a_culprit(
     assert injected["target"] == "optimizer" and "exp_avg" in injected["key"], injected
     (detected,) = [e for e in evs if e["kind"] == "sdc_detected"]
     assert detected["step"] == 30 and detected["culprits"] == [] and detected["undecided"] == [0, 1]
-    assert detected["last_agreed"][0] in (15, 20, 25), detected
+    assert detected["last_agreed"][0] in (15, 20, 25) and detected["held_out"] is None, detected
+    (localized,) = [e for e in evs if e["kind"] == "sdc_localized"]
+    assert localized["nodes"] == ["node1"] and "kept" in localized["action"], localized
     assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
     assert not _suspect_restores(evs, detected)
+
+
+def test_two_replicas_that_disagree_are_recomputed_with_one_held_out_and_the_culprit_drained(
+    tmp_path: Path, reference2: dict[int, float]
+) -> None:
+    """Issue 15's 2-replica localization (controller/recompute.py): node0's Adam moment is
+    flipped. The disagreement at step 30 holds node1 out (the standby takes its rank), the
+    job rolls back and recomputes; the recomputed state at step 30 equals node1's old one,
+    so node0 is the culprit: drained at the next checkpoint boundary to node1 (a standby
+    again), quarantined, and the losses are a fault-free run's, step for step."""
+    run = tmp_path / "run"
+    flip = "sdc:rank=0:step=30:target=optimizer:bit=20"
+    proc = start_job(run, ["--nodes", "2", "--standby", "1", "--inject", flip], ARGS)
+    code, err = finish_job(proc, timeout=300)
+    assert code == 0, err[-3000:]
+    assert losses(run) == reference2
+    evs = events(run)
+    (detected,) = [e for e in evs if e["kind"] == "sdc_detected"]
+    assert detected["step"] == 30 and detected["undecided"] == [0, 1], detected
+    assert detected["held_out"] == "node1", detected
+    starts = [e for e in evs if e["kind"] == "generation_started"]
+    assert sorted(starts[1]["assignment"]) == ["node0", "node2"], starts[1]
+    assert starts[1]["restore_step"] < 30 and not _suspect_restores(evs, detected)
+    (localized,) = [e for e in evs if e["kind"] == "sdc_localized"]
+    assert localized["nodes"] == ["node0"] and localized["recomputed_on"] == ["node2"]
+    assert "node0 drained" in localized["action"] and "node1 back to standby" in localized["action"]
+    quarantined = [e["node"] for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
+    assert quarantined == ["node0"], quarantined
+    assert sorted(starts[-1]["assignment"]) == ["node1", "node2"], starts[-1]
+    rep = report(run)
+    assert [f["cause"] for f in rep["faults"]] == ["sdc"], rep["faults"]
 
 
 def test_a_node_whose_corrected_errors_climb_is_drained_with_no_lost_step(

@@ -3,7 +3,8 @@ its retention, and restore from it when the hot tier has nothing newer.
 
 The job never waits for the cold tier: the archiver is one thread of the controller that
 polls the hot tier's committed steps. A step to upload is first hard-linked into
-``<hot>/.archiving-step_<N>`` (same filesystem, no copy), so hot retention may delete
+``<hot>/.archiving-<target>-step_<N>`` (same filesystem, no copy; one directory per target:
+the targets' archivers run at once and must not unlink each other's), so hot retention may delete
 ``step_<N>`` while it uploads. Failures (unreachable endpoint, refused credentials, a full
 bucket) are ``archive_failed`` events with the reason and the fix; the step is tried again
 after a back-off (doubling from 5 s to 300 s) and training goes on.
@@ -11,6 +12,7 @@ after a back-off (doubling from 5 s to 300 s) and training goes on.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -23,7 +25,7 @@ from trainguard.checkpoint.api import MANIFEST
 from trainguard.checkpoint.archive import Archive, ArchiveError
 
 Emit = Callable[..., None]  # emit(kind, **data): an event for the job's store
-STAGING = ".archiving-step_"
+STAGING = ".archiving-"
 
 
 def _link_tree(src: Path, dest: Path) -> None:
@@ -79,8 +81,12 @@ class Archiver:
         self._final = threading.Event()  # one last pass, then return
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-archiver", daemon=True)
+        tag = hashlib.sha1(archive.url.encode()).hexdigest()[:8]
+        self._staging = f"{STAGING}{tag}-step_"  # this target's own staging directories
 
     def start(self) -> None:
+        for old in self.root.glob(f"{self._staging}*"):  # left by a controller killed mid-upload
+            shutil.rmtree(old, ignore_errors=True)
         self._thread.start()
 
     def close(self, timeout_s: float) -> None:
@@ -130,7 +136,7 @@ class Archiver:
             self._backoff = min(300.0, self._backoff * 2)
 
     def _upload(self, step: int) -> None:
-        staging = self.root / f"{STAGING}{step}"
+        staging = self.root / f"{self._staging}{step}"
         try:
             _link_tree(storage.step_dir(self.root, step), staging)
         except FileNotFoundError:

@@ -178,6 +178,11 @@ class JobConfig:
     # Compare data-parallel replicas' snapshot fingerprints (checkpoint/fingerprint.py) and
     # treat a mismatch as silent data corruption (controller/sdc.py).
     sdc_check: bool = True
+    # When replicas disagree and no majority names the culprit (2 replicas): roll back and
+    # recompute the steps with one of the disagreeing nodes held out (a healthy standby takes
+    # its rank), then name the node whose old state differs from the recomputed one
+    # (controller/sdc.py). Off: roll back without naming anyone.
+    sdc_recompute: bool = True
     # Silent corruption that fingerprints cannot see (it reaches every replica alike through
     # the all-reduce): a gradient norm above sdc_grad_ratio × its median (0: off; analysis.py),
     # and each running node's known-answer GEMM probe, every probe_every_s (0: off;

@@ -77,7 +77,8 @@ def decide(
             mark_faulty(s, node, now, cfg, events, why)
     _fold_steps(s, obs)
     if s.phase == Phase.RUNNING and inputs is not None and inputs.fingerprints:
-        sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events)
+        standby = bool(healthy_standby(s, obs, now, cfg))
+        sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events, standby)
         if sdc is not None:
             _faulted(s, sdc, now, events)
     if s.phase == Phase.RUNNING and inputs is not None and inputs.suspected:

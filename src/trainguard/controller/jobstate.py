@@ -92,6 +92,11 @@ class JobState:
     fp_good: list[list[int]] = dataclasses.field(default_factory=list)
     suspect: list[list[int]] = dataclasses.field(default_factory=list)
     sdc_off: bool = False
+    # A disagreement no majority decided, being settled by recomputation (controller/sdc.py):
+    # {"step", "generation", "values": [[rank, node, layout, value]] of the disagreeing ranks,
+    # "nodes": their nodes, "held_out": the node a standby replaced for the recomputation, or
+    # None}. The held-out node is nobody's replacement until the verdict.
+    sdc_verify: dict[str, Any] | None = None
     # Steps whose gradient-norm spike already had the job roll back and recompute them: a
     # spike that comes back there is the data's, not a corruption (controller/sdc.py).
     recomputed: list[int] = dataclasses.field(default_factory=list)
@@ -107,6 +112,12 @@ def known_good(s: JobState, point: tuple[int, int]) -> None:
     p = [int(point[0]), int(point[1])]
     if p not in s.fp_good:
         s.fp_good = sorted([*s.fp_good, p], key=lambda q: (q[1], q[0]))[-FP_GOOD_KEPT:]
+
+
+def held_out(s: JobState) -> str | None:
+    """The node an SDC recomputation holds out of the job until its verdict (never a
+    replacement meanwhile), or None."""
+    return None if s.sdc_verify is None else s.sdc_verify.get("held_out")
 
 
 def suspect(s: JobState, point: tuple[int, int]) -> bool:

@@ -26,6 +26,7 @@ ALERT_KINDS = (
     "throughput_drop",
     "hang_localized",
     "sdc_detected",
+    "sdc_localized",
     "sdc_ruled_out",
     "node_at_risk",
 )

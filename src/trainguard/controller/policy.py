@@ -16,6 +16,7 @@ from trainguard.controller.jobstate import (
     Event,
     JobState,
     goto,
+    held_out,
 )
 from trainguard.controller.pools import healthy_standby, is_alive, mark_faulty, world_of
 from trainguard.controller.restore import replica_sources, restore_point
@@ -130,7 +131,8 @@ def replace_and_restart(
     s.persist_settle_until = None
     lost = sorted(
         set(lost_nodes(s, obs, now, cfg))
-        | {n for n in s.assignment if s.pools.get(n) in (Pool.FAULTY, Pool.RETIRED)},
+        | {n for n in s.assignment if s.pools.get(n) in (Pool.FAULTY, Pool.RETIRED)}
+        | {n for n in s.assignment if n == held_out(s)},  # an SDC recomputation's
         key=lambda n: s.assignment[n],
     )
     for n in lost:
@@ -141,7 +143,10 @@ def replace_and_restart(
     spares += [
         n
         for n in lost
-        if s.pools.get(n) == Pool.STANDBY and n in obs and is_alive(obs[n], now, cfg)
+        if s.pools.get(n) == Pool.STANDBY
+        and n in obs
+        and is_alive(obs[n], now, cfg)
+        and n != held_out(s)
     ]
     shrink = len(lost) - len(spares)
     if shrink > 0 and cfg.elastic and len(s.assignment) - shrink >= (cfg.min_nodes or cfg.nodes):

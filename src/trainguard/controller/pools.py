@@ -12,6 +12,7 @@ from trainguard.controller.api import (
 from trainguard.controller.jobstate import (
     Event,
     JobState,
+    held_out,
 )
 
 
@@ -166,10 +167,11 @@ def healthy_standby(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobCo
     """Live standbys, the ones used first first: fewest faults (a node back from quarantine
     comes after every node that never failed: its re-check passed, but it failed once), then
     the order they joined."""
+    out = held_out(s)
     live = [
         n
         for n in s.join_order
-        if s.pools.get(n) == Pool.STANDBY and n in obs and is_alive(obs[n], now, cfg)
+        if s.pools.get(n) == Pool.STANDBY and n in obs and is_alive(obs[n], now, cfg) and n != out
     ]
     return sorted(live, key=lambda n: s.node_faults.get(n, 0))  # stable: join order kept
 

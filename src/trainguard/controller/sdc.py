@@ -11,7 +11,8 @@ ranks holding the same chunks (the same ``layout``) are compared:
 - a strict majority of at least 3 agrees: each rank outside it is a culprit (its node is
   quarantined and replaced), the SDC is a fault of the generation;
 - 2 replicas, or no majority: the corruption is certain but not localized; the job rolls
-  back without quarantining anyone;
+  back, recomputes with one of the disagreeing nodes held out, and names the culprit from
+  the recomputed state (``recompute.py``);
 - different at the job's first comparison (before any step agreed): taken for ranks that do
   not hold replicas (tensor-parallel shards saved as plain tensors, per-rank buffers such as
   BatchNorm statistics), not for a corruption: the check is off for the job (``sdc_off``, one
@@ -40,7 +41,8 @@ Pure: reads the observations, writes only the state it is given (``decide``'s co
 from __future__ import annotations
 
 from trainguard.checkpoint.fingerprint import compare
-from trainguard.controller.api import Fault, JobConfig
+from trainguard.controller import recompute
+from trainguard.controller.api import Fault, JobConfig, Pool
 from trainguard.controller.jobstate import Event, JobState, Suspicion, known_good
 from trainguard.controller.pools import mark_faulty
 from trainguard.protocol import FaultCause
@@ -52,20 +54,33 @@ def check_fingerprints(
     now: float,
     cfg: JobConfig,
     events: list[Event],
+    standby: bool = False,
 ) -> Fault | None:
     """Compare the running generation's complete snapshot points (``Inputs.fingerprints``:
     step, generation, rank → (layout, value)), oldest first (see the module); a fault on an
-    SDC, with culprits' nodes marked faulty and the suspect range recorded."""
+    SDC, with culprits' nodes marked faulty and the suspect range recorded. A disagreement
+    no majority decides is settled by recomputation (``recompute.py``; ``standby``: a
+    healthy standby can take a held-out node's rank)."""
     if not cfg.sdc_check or s.sdc_off:
         return None
     for step, gen, fps in sorted(points):
         if gen != s.generation:
             continue
         culprits, undecided = compare(fps)
+        named: list[str] = []
+        settled = recompute.settle(s, cfg, step, fps, culprits + undecided)
+        if settled is not None:
+            named, out, data = settled
+            agreed = not culprits and not undecided
+            data["action"] = _act_on_named(s, now, cfg, events, named, out, agreed, standby)
+            events.append(("sdc_localized" if named else "sdc_unlocalized", data))
         if not culprits and not undecided:
             s.fp_agreed = [step, gen]
             known_good(s, (step, gen))
             continue
+        if named:
+            by_rank = recompute.nodes_of_ranks(s, cfg)
+            culprits, undecided = sorted(r for r, n in by_rank.items() if n in named), []
         if s.fp_agreed is None:
             # Never agreed: more likely not replicas (per-rank tensors saved as plain state,
             # BatchNorm statistics) than a corruption before the first snapshot. A false SDC
@@ -87,8 +102,43 @@ def check_fingerprints(
                 )
             )
             return None
-        return _fault(s, now, cfg, events, step, culprits, undecided)
+        verify = settled is None and cfg.sdc_recompute and bool(undecided)
+        return _fault(
+            s, now, cfg, events, step, culprits, undecided, fps if verify else None, standby
+        )
     return None
+
+
+def _act_on_named(
+    s: JobState,
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    named: list[str],
+    out: str | None,
+    agreed: bool,
+    standby: bool,
+) -> str:
+    """Act on a recomputation's culprits (``recompute.settle``); returns what was done. A
+    held-out culprit is quarantined (nothing to stop); one still in the job is drained at the
+    next checkpoint boundary when the running state agrees and a standby can take its place
+    (no step lost), kept when none can, and quarantined by the fault the caller raises when
+    the running state disagrees."""
+    acts = []
+    for n in named:
+        if n == out:
+            mark_faulty(s, n, now, cfg, events, "silent data corruption (named by recomputation)")
+            acts.append(f"{n} quarantined")
+        elif n in s.assignment and not agreed:
+            acts.append(f"{n} quarantined and replaced")
+        elif n in s.assignment and (standby or out not in (None, *named)):  # out: innocent
+            s.evict[n] = "silent data corruption: its state differed from the recomputed one"
+            acts.append(f"{n} drained to a standby at the next checkpoint boundary")
+        elif n in s.assignment:
+            acts.append(f"{n} kept: no healthy standby to take its place")
+    if out is not None and out not in named:
+        acts.append(f"{out} back to standby")
+    return "; ".join(acts) or "none"
 
 
 def _fault(
@@ -99,14 +149,18 @@ def _fault(
     step: int,
     culprits: list[int],
     undecided: list[int],
+    fps: dict[int, tuple[int, int]] | None = None,
+    standby: bool = False,
 ) -> Fault:
+    """The SDC fault at ``step``; with ``fps`` (a disagreement to settle), a recomputation
+    is recorded (``recompute.record``) and its held-out node leaves the job at the restart."""
     gen = s.generation
     good = s.fp_agreed
     after = good[0] if good is not None else (s.restore_step if s.restore_step is not None else -1)
     s.suspect.append([after, gen, step])
-    by_rank = {r * cfg.nproc_per_node + i: n for n, r in s.assignment.items()
-               for i in range(cfg.nproc_per_node)}  # fmt: skip
+    by_rank = recompute.nodes_of_ranks(s, cfg)
     nodes = sorted({by_rank[r] for r in culprits if r in by_rank})
+    verify = None if fps is None else recompute.record(s, cfg, step, fps, undecided, standby)
     if culprits:
         what = (
             f"silent data corruption: at step {step} the state of rank(s) "
@@ -117,6 +171,14 @@ def _fault(
             f"silent data corruption: at step {step} ranks {', '.join(map(str, undecided))} "
             "hold different states and no majority names the culprit"
         )
+        if verify is not None:
+            out = verify["held_out"]
+            what += (
+                f"; recomputing from the last agreeing step with {out} held out (a standby "
+                "takes its rank)"
+                if out
+                else "; recomputing from the last agreeing step on the same nodes (no standby)"
+            )
     back = f"step {good[0]} (generation {good[1]})" if good else "before any agreeing step"
     events.append(
         (
@@ -130,11 +192,22 @@ def _fault(
                 "last_agreed": good,
                 "suspect_after": after,
                 "signal": "fingerprints",
+                "held_out": None if verify is None else verify["held_out"],
             },
         )
     )
     for n in nodes:
         mark_faulty(s, n, now, cfg, events, what)
+    if verify is not None and verify["held_out"] is not None:
+        out = verify["held_out"]
+        s.pools[out] = Pool.STANDBY  # out of the job, nobody's replacement until the verdict
+        events.append(
+            (
+                "pool_changed",
+                {"node": out, "from": "running", "to": "standby",
+                 "reason": f"held out while step {step} is recomputed without it"},
+            )
+        )  # fmt: skip
     return Fault(
         cause=FaultCause.SDC,
         generation=gen,

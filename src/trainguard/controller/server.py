@@ -540,7 +540,11 @@ class Controller:
             raise
         for kind, data in events:
             self.store.record(kind, data)
-            if kind in ("sdc_detected", "sdc_ruled_out"):  # alerts too: status, webhook, metrics
+            if kind in (
+                "sdc_detected",
+                "sdc_localized",
+                "sdc_ruled_out",
+            ):  # alerts too: status, webhook, metrics
                 self.monitor.alert(kind, data)
             self._log_event(kind, data)
         if new.recovery is not None and self.state.recovery is None:
@@ -588,6 +592,12 @@ class Controller:
             log.info(
                 "[gen %s] %s → %s: %s",
                 data["generation"], data["from"], data["to"], data["reason"],
+            )  # fmt: skip
+        elif kind in ("sdc_localized", "sdc_unlocalized"):
+            who = ", ".join(data["nodes"]) or "no node"
+            log.warning(
+                "silent data corruption at step %d named by recomputation: %s (%s; %s)",
+                data["step"], who, data["how"], data["action"],
             )  # fmt: skip
         elif kind == "recovery_completed":
             took = {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None}

@@ -52,6 +52,15 @@ def _sdc(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         nxt = next((x for x in events[i:] if x["kind"] == "generation_started"), None)
         back = nxt["restore_step"] if nxt is not None else None
+        settled = next(
+            (
+                x
+                for x in events[i:]
+                if x["kind"] in ("sdc_localized", "sdc_unlocalized")
+                and (x["step"], x["generation"]) == (e["step"], e["generation"])
+            ),
+            None,
+        )  # a disagreement no majority decided, settled by recomputation (controller/recompute.py)
         out.append(
             {
                 "generation": e["generation"],
@@ -63,6 +72,10 @@ def _sdc(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "last_agreed": (e.get("last_agreed") or [None])[0],
                 "rollback_to": back,
                 "steps_recomputed": e["step"] - (back or 0) if nxt is not None else None,
+                "held_out": e.get("held_out"),
+                "recomputation": None
+                if settled is None
+                else {k: settled.get(k) for k in ("nodes", "how", "action", "recomputed_on")},
             }
         )
     return out
@@ -290,9 +303,13 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     for d in rep["drills"]:
         con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
     for x in rep["sdc"]:
+        rec = x.get("recomputation")
         who = (
             f"rank(s) {x['culprits']} on {x['nodes']}" if x["culprits"]
-            else f"on {x['nodes'][0]}" if x["nodes"] else "not localized"
+            else f"on {x['nodes'][0]}" if x["nodes"]
+            else f"named by recomputation: {', '.join(rec['nodes'])} ({rec['how']}; "
+                 f"{rec['action']})" if rec and rec["nodes"]
+            else "not localized"
         )  # fmt: skip
         seen = {"fingerprints": "replica fingerprints", "gemm_probe": "GEMM probe",
                 "grad_norm": "gradient norm"}.get(x["signal"], x["signal"])  # fmt: skip

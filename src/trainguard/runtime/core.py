@@ -350,9 +350,12 @@ class Runtime:
                     "ts": time.time(),
                     "step": self._last_step,
                     "coll": [self.coll_issued, self.coll_done],
-                    "fp": self._main_fingerprint(),
                     "cpu": self._main_cpu_s(),
                 }
+                # The heartbeat is this rank's life to its agent: never let it die (a beat
+                # without a fingerprint reads as no progress).
+                with contextlib.suppress(Exception):
+                    beat["fp"] = self._main_fingerprint()
                 if self._phases:
                     beat["phase"] = self._phases[-1]
                 if self.total_steps is not None:
@@ -364,14 +367,21 @@ class Runtime:
                 self._send_now({"t": "batch", "items": batch})
 
     def _main_fingerprint(self) -> int:
-        """Where the main thread is: a hash of (file, line) of its innermost 16 frames. It
-        changes while the script runs Python code (an evaluation, an epilogue) and stays put
-        while the thread is blocked in one call (a stuck collective, a deadlock)."""
+        """Where the main thread is: a hash of (file, line) of its innermost frames (16, or
+        only the innermost on Python 3.11). It changes while the script runs Python code (an
+        evaluation, an epilogue) and stays put while the thread is blocked in one call (a
+        stuck collective, a deadlock).
+
+        On 3.11, ``f_back`` of another thread's frame can read a frame that thread is still
+        setting up and crash the process (CPython gh-99110, gh-111363: a rank here died of
+        SIGSEGV after its reporter thread read a dict where a frame was due); the innermost
+        frame, made by ``sys._current_frames`` under the GIL, is safe."""
         frame = sys._current_frames().get(self._main_ident or -1)
+        depth = 16 if sys.version_info >= (3, 12) else 1
         where = []
-        while frame is not None and len(where) < 16:
+        while frame is not None and len(where) < depth:
             where.append((frame.f_code.co_filename, frame.f_lineno))
-            frame = frame.f_back
+            frame = frame.f_back if len(where) < depth else None
         return hash(tuple(where)) & 0x7FFFFFFF
 
     def _main_cpu_s(self) -> float | None:
