@@ -111,8 +111,9 @@ def validate_report(body: Any) -> None:
     _points(body, "memory")
     _points(body, "replicas")
     _points(body, "fingerprints", width=4)
-    t = body.get("time")
-    _need(t is None or isinstance(t, (int, float)), "time: seconds since the epoch")
+    for key in ("time", "ckptd_at", "stopped_at"):
+        t = body.get(key)
+        _need(t is None or type(t) in (int, float), f"{key}: seconds since the epoch")
     store = body.get("store")
     _need(
         store is None or (isinstance(store, list) and len(store) == 2), "store: [generation, port]"

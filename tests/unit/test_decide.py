@@ -79,6 +79,7 @@ class Sim:
         for n in self.s.assignment:
             self.obs[n].stopped_generation = self.s.generation
             self.obs[n].stopped_at = self.obs[n].cleaned_at = self.now
+            self.obs[n].ckptd_at = self.now  # the agent asks its ckptd again after a stop
             self.obs[n].generation = None
             self.obs[n].workers = {}
 
@@ -639,3 +640,23 @@ def test_decide_never_changes_the_state_it_was_given() -> None:
     finally:
         me.decide = real  # type: ignore[assignment]
     assert len(originals) >= 8 and sim.s.generation >= 1
+
+
+def test_a_memory_index_asked_before_the_stop_is_not_trusted_for_the_restore() -> None:
+    """The agent reads its ckptd in its own thread (the heartbeat never waits on it): a
+    report after the stop may carry an index asked for before it, without the snapshot staged
+    just before the stop. The restore waits (bounded) for an index asked after the stop."""
+    sim = Sim(cfg(), 2)
+    sim.tick()
+    sim.run_generation()
+    sim.ckpt = [(4, 0)]
+    w = sim.worker("node1")
+    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+    assert sim.tick().phase == Phase.STOPPING
+    sim.ack_stop()
+    sim.obs["node0"].ckptd_at = sim.now - 1.0  # stale: asked before the stop
+    s = sim.tick()
+    assert s.phase == Phase.REPLACING and s.persist_settle_until is not None
+    sim.obs["node0"].ckptd_at = sim.now  # asked again after it
+    s = sim.tick()
+    assert s.phase == Phase.RENDEZVOUS and s.generation == 1

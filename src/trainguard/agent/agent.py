@@ -116,7 +116,8 @@ class Agent:
         self._wake = threading.Event()
         self._report_now = threading.Event()
         self._shutdown = threading.Event()
-        self._ckptd_off = threading.Event()  # set when the agent stops its ckptd for good
+        self._ckptd_off = threading.Event()  # set when the agent stopped its ckptd for good
+        self._ckptd_now = threading.Event()  # refresh ckptd's status now (workers stopped)
         # No spares before the controller says how many (a node may be checked first).
         self._desired: tuple[int, Desired] = (0, Idle())
         self._run_desired: Run | None = None  # the generation whose workers run here
@@ -228,8 +229,12 @@ class Agent:
             self.checks.stop()
             self._stop_workers(grace_s=15.0)
             self.launcher.close()
-            self._ckptd_off.set()  # its status thread must not kill it mid-final-persist
+            self.ckptd.stopping = True  # its status thread must not kill it mid-final-persist
+            with contextlib.suppress(Exception):
+                self.refresh_ckptd()  # what it queued (the final step's durable event)
             self.ckptd.stop()
+            self._ckptd_off.set()
+            self._ckptd_now.set()
             self.report_once(timeout_s=2.0)
         return code
 
@@ -430,11 +435,13 @@ class Agent:
         self.group.stop(grace_s=grace_s, keep=keep)
         self._store = None
         if had:
+            self._ckptd_now.set()  # the memory index as of after the stop, for the restore
             self._report_now.set()
 
     # ------------------------------------------------------------------ observation
     def _poll_workers(self) -> None:
         if self.group.poll():
+            self._ckptd_now.set()
             self._report_now.set()
 
     def _watch_outside(self) -> None:
@@ -614,6 +621,7 @@ class Agent:
             "memory": self.ckptd.memory,
             "fingerprints": self.ckptd.fingerprints,
             "ckptd_idle": self.ckptd.idle,
+            "ckptd_at": self.ckptd.refreshed_at,  # when that index was asked for
             "health": self._health(),
             "checks": self.checks.report(),
             "time": time.time(),  # the controller measures clock skew from it
@@ -691,7 +699,9 @@ class Agent:
     def _ckptd_loop(self) -> None:
         while not self._ckptd_off.is_set():
             hb = self._run_desired.heartbeat_s if self._run_desired is not None else 0.5
-            if self._ckptd_off.wait(hb):
+            self._ckptd_now.wait(hb)
+            self._ckptd_now.clear()
+            if self._ckptd_off.is_set():
                 return
             try:
                 self.refresh_ckptd()

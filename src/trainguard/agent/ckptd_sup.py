@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,12 @@ class CkptdSupervisor:
         self.replica_addr: str | None = None  # its replica server
         # rank → [step, gen, layout, value] of its verified snapshots (checkpoint/fingerprint.py)
         self.fingerprints: dict[str, Any] = {}
+        # Wall clock at which the status behind ``memory``/``idle`` was asked for: the
+        # controller trusts a memory index for a restore only if asked after the workers
+        # stopped (NodeObs.ckptd_at, policy.replace_and_restart).
+        self.refreshed_at: float | None = None
+        self.stopping = False  # the agent is shutting it down: never killed for silence then
+        self._refresh_lock = threading.Lock()  # one status conversation at a time
 
     @property
     def pid(self) -> int | None:
@@ -110,8 +117,14 @@ class CkptdSupervisor:
         thread: a frozen or busy ckptd delays these calls by their deadlines (2 s + 5 s +
         2 s), which must not delay the node's heartbeat (the controller declares a node
         lost after ``node_timeout_s`` without one)."""
+        with self._refresh_lock:
+            return self._refresh(desired)
+
+    def _refresh(self, desired: Desired) -> list[dict[str, Any]]:
+        asked = time.time()
         if self.proc is None or self.proc.poll() is not None:
             self.memory, self.fingerprints = {}, {}
+            self.refreshed_at = asked  # no daemon: nothing in memory, known now
             return []
         try:
             st = self._call({"op": "status"}, timeout_s=2.0)
@@ -119,6 +132,7 @@ class CkptdSupervisor:
             self._unanswered(self.proc)
             return []
         self._silent_since = None
+        self.refreshed_at = asked
         self.memory = st["memory"]
         self.fingerprints = st.get("fingerprints", {})
         self.idle = bool(st.get("idle", True))
@@ -153,7 +167,7 @@ class CkptdSupervisor:
             self._silent_since = now
             return
         silent = now - self._silent_since
-        if silent <= CKPTD_DEADLINE_S:
+        if silent <= CKPTD_DEADLINE_S or self.stopping:  # stopping: it finishes its writes
             return
         self._on_event("ckptd_unresponsive", silent_s=round(silent, 1), pid=proc.pid)
         log.error("ckptd (pid %d) has not answered for %.0fs: killing it", proc.pid, silent)

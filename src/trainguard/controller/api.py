@@ -388,6 +388,7 @@ class NodeObs:
         default_factory=dict
     )  # rank → verified (step, gen) in ckptd
     ckptd_idle: bool = True  # its ckptd has nothing queued (every staged snapshot verified)
+    ckptd_at: float | None = None  # agent wall clock when that status (and memory) was asked
     replicas: dict[int, list[tuple[int, int]]] = dataclasses.field(
         default_factory=dict
     )  # source rank → verified (step, gen) replicas this node holds for peers

@@ -31,6 +31,7 @@ def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float)
         cleaned_at=body.get("cleaned_at"),
         memory={int(r): [tuple(p) for p in v] for r, v in (body.get("memory") or {}).items()},
         ckptd_idle=bool(body.get("ckptd_idle", True)),
+        ckptd_at=body.get("ckptd_at"),
         replicas={int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()},
         replica_addr=body.get("replica_addr"),
         fenced_generation=int(body.get("fenced_generation", -1)),

@@ -110,6 +110,13 @@ def apply_policy(
         goto(s, Phase.FAILED, now, events, s.reason)
 
 
+def _stale(o: NodeObs) -> bool:
+    """The node's memory index was asked of its ckptd before its workers stopped: a snapshot
+    staged just before the stop may be missing from it (the agent reads ckptd in its own
+    thread, never in the heartbeat; it asks again right after a stop)."""
+    return o.stopped_at is not None and (o.ckptd_at is None or o.ckptd_at < o.stopped_at)
+
+
 def replace_and_restart(
     s: JobState,
     obs: dict[str, NodeObs],
@@ -121,7 +128,9 @@ def replace_and_restart(
     # The restore point comes from the memory index: first let every live node's ckptd verify
     # what its ranks staged before they stopped (bounded by PERSIST_SETTLE_S).
     busy = [
-        n for n in s.assignment if n in obs and is_alive(obs[n], now, cfg) and not obs[n].ckptd_idle
+        n
+        for n in s.assignment
+        if n in obs and is_alive(obs[n], now, cfg) and (not obs[n].ckptd_idle or _stale(obs[n]))
     ]
     if busy and cfg.memory_tier:
         if s.persist_settle_until is None:
