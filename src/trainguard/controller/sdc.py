@@ -78,8 +78,8 @@ def check_fingerprints(
             s.fp_agreed = [step, gen]
             known_good(s, (step, gen))
             continue
-        if named:
-            by_rank = recompute.nodes_of_ranks(s, cfg)
+        by_rank = recompute.nodes_of_ranks(s, cfg)
+        if any(n in named for n in by_rank.values()):  # the recomputation named them
             culprits, undecided = sorted(r for r, n in by_rank.items() if n in named), []
         if s.fp_agreed is None:
             # Never agreed: more likely not replicas (per-rank tensors saved as plain state,
