@@ -258,7 +258,9 @@ def persist_planned_stop(
     if s.persist is None:
         # The memory index is whole once every node's ckptd verified what was staged before
         # the workers stopped (bounded: PERSIST_SETTLE_S, then what is indexed counts).
-        busy = [n for n in s.assignment if n in obs and not obs[n].ckptd_idle]
+        busy = [
+            n for n in s.assignment if n in obs and (not obs[n].ckptd_idle or _stale(obs[n]))
+        ]  # an index asked before the stop may lack the last snapshot
         if cfg.memory_tier and busy:
             if s.persist_settle_until is None:
                 s.persist_settle_until = now + PERSIST_SETTLE_S
