@@ -83,6 +83,15 @@ class Sim:
             self.obs[n].generation = None
             self.obs[n].workers = {}
 
+    def crash_node1(self) -> JobState:
+        """Generation 0 running on 2 nodes with step 4 durable; node1's rank killed (-9)."""
+        self.tick()
+        self.run_generation()
+        self.ckpt = [(4, 0)]
+        w = self.worker("node1")
+        w.state, w.exit_code, w.exited_at = "failed", -9, self.now
+        return self.tick()
+
     def worker(self, node: str) -> WorkerObs:
         return next(iter(self.obs[node].workers.values()))
 
@@ -103,12 +112,7 @@ def test_start_assigns_node_ranks_and_standby() -> None:
 
 def test_crash_stops_cleans_and_restarts_from_checkpoint() -> None:
     sim = Sim(cfg(), 2)
-    sim.tick()
-    sim.run_generation()
-    sim.ckpt = [(4, 0)]
-    w = sim.worker("node1")
-    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
-    s = sim.tick()
+    s = sim.crash_node1()
     assert s.phase == Phase.STOPPING and s.recovery is not None
     assert (s.recovery.fault.cause, s.recovery.fault.rank, s.recovery.fault.node_id) == (
         "worker_crash",
@@ -647,12 +651,7 @@ def test_a_memory_index_asked_before_the_stop_is_not_trusted_for_the_restore() -
     report after the stop may carry an index asked for before it, without the snapshot staged
     just before the stop. The restore waits (bounded) for an index asked after the stop."""
     sim = Sim(cfg(), 2)
-    sim.tick()
-    sim.run_generation()
-    sim.ckpt = [(4, 0)]
-    w = sim.worker("node1")
-    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
-    assert sim.tick().phase == Phase.STOPPING
+    assert sim.crash_node1().phase == Phase.STOPPING
     sim.ack_stop()
     sim.obs["node0"].ckptd_at = sim.now - 1.0  # stale: asked before the stop
     s = sim.tick()
