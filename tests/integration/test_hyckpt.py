@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, wait_for
 from trainguard.checkpoint import snapshot, storage
@@ -423,3 +425,41 @@ def test_a_frozen_ckptd_is_killed_restarted_and_no_rank_is_blamed(tmp_path: Path
     assert kinds.count("hang_suspected") == kinds.count("hang_cleared")
     assert sorted(losses(run)) == list(range(1, 151))
     assert max(storage.list_committed(run / "checkpoints")) == 150
+
+
+def test_a_snapshot_whose_writer_died_before_telling_ckptd_is_taken_in_after_the_workers_exit(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    """The writer commits the slot's header and dies before its ``staged`` call (a kill one
+    step after the save, with the notification still on the stage thread). ckptd does not
+    index it while writers may run; asked with ``rescan`` (the agent does so once its
+    workers are gone) it verifies it, indexes it and persists it if it was durable. A slot
+    a reader found corrupt (``forget``) is never taken in again."""
+    c = CkptdClient(socket_name(JOB, NODE))
+    try:
+        tensors = {"w": torch.arange(1000, dtype=torch.float32) * 7}
+        layout = snapshot.Layout.plan(tensors, 64)
+        req = {"op": "alloc", "rank": 0, "nbytes": layout.total_bytes}
+        path = Path(c.call(req)["slots"][0])
+        s = snapshot.Slot(path, writable=True)
+        s.begin()
+        s.write_tensors(layout, tensors)
+        meta = {"step": 7, "generation": 0, "rank": 0, "world_size": 1, "durable": True}
+        s.commit(layout, pickle.dumps({}), meta)
+        s.close()
+        assert c.call({"op": "status"})["memory"] == {}  # writers may still run: not yet
+        st = c.call({"op": "status", "rescan": True})
+        assert [e["result"] for e in st["events"] if e["kind"] == "ckpt_rescanned"] == ["queued"]
+        wait_for(lambda: [7, 0] in c.call({"op": "status"})["memory"].get("0", []), 30, "indexed")
+        root = tmp_path / "checkpoints"
+        wait_for(lambda: 7 in storage.list_committed(root), 60, "step 7 to become durable")
+        assert storage.verify(root, 7) == []
+        again = c.call({"op": "status", "rescan": True})  # known now: nothing taken in twice
+        assert not [e for e in again["events"] if e["kind"] == "ckpt_rescanned"], again["events"]
+        c.call({"op": "forget", "slot": str(path)})
+        after = c.call({"op": "status", "rescan": True})
+        assert after["memory"] == {} and not [
+            e for e in after["events"] if e["kind"] == "ckpt_rescanned"
+        ], after
+    finally:
+        c.close()

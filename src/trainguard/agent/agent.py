@@ -593,7 +593,9 @@ class Agent:
         """Read what the node's ckptd holds and hand it the controller's orders (its own
         thread in ``run``; a test driving the seam calls it before ``report_once``). The
         next report carries the result: the heartbeat never waits on ckptd."""
-        events = self.ckptd.refresh(self._desired[1])
+        workers = list(self.group.workers.values())  # one C-level copy: no torn iteration
+        idle = not any(w.state == "running" for w in workers)
+        events = self.ckptd.refresh(self._desired[1], rescan=idle)
         if events:
             with self._lock:
                 self._events.extend(events)

@@ -111,23 +111,24 @@ class CkptdSupervisor:
             self._client = ckptd_mod.CkptdClient(ckptd_mod.socket_name(self.job_id, self.node_id))
         return self._client.call(req, timeout_s=timeout_s)
 
-    def refresh(self, desired: Desired) -> list[dict[str, Any]]:
+    def refresh(self, desired: Desired, *, rescan: bool = False) -> list[dict[str, Any]]:
         """Refresh what it holds (2 s deadline), carry out ``desired``'s orders for it, and
         return the events it queued. Called by the agent's ckptd thread, never by its report
         thread: a frozen or busy ckptd delays these calls by their deadlines (2 s + 5 s +
         2 s), which must not delay the node's heartbeat (the controller declares a node
-        lost after ``node_timeout_s`` without one)."""
+        lost after ``node_timeout_s`` without one). ``rescan``: no worker of this node runs,
+        so ckptd takes in any complete snapshot whose writer died before telling it."""
         with self._refresh_lock:
-            return self._refresh(desired)
+            return self._refresh(desired, rescan)
 
-    def _refresh(self, desired: Desired) -> list[dict[str, Any]]:
+    def _refresh(self, desired: Desired, rescan: bool) -> list[dict[str, Any]]:
         asked = time.time()
         if self.proc is None or self.proc.poll() is not None:
             self.memory, self.fingerprints = {}, {}
             self.refreshed_at = asked  # no daemon: nothing in memory, known now
             return []
         try:
-            st = self._call({"op": "status"}, timeout_s=2.0)
+            st = self._call({"op": "status", "rescan": rescan}, timeout_s=2.0)
         except (OSError, ValueError, ckptd_mod.CheckpointError):
             self._unanswered(self.proc)
             return []

@@ -402,11 +402,15 @@ class Checkpointer:
         def finish() -> None:
             try:
                 slot.write_tensors(layout, srcs, late_host)
-                self._copied.set()  # the optimizer may write the host parameters now
+                if events:  # the optimizer may write the host parameters now
+                    self._copied.set()
                 for ev in events:
                     ev.synchronize()
                 slot.write_tensors(layout, host_srcs, on_dev)
+                # On the host, the header first: a snapshot the optimizer was let past is a
+                # complete one (ckptd takes it in even if this process dies before ``staged``)
                 slot.commit(layout, blob, meta, static)
+                self._copied.set()
                 self._written[slot.path] = meta
                 i = self._slots.index(slot)
                 self._age = [j for j in self._age if j != i] + [i]

@@ -20,7 +20,8 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
 - ``{"op": "set_peers", "addrs": ["host:port", …]}`` → replicate verified snapshots there
 - ``{"op": "fetch", "rank", "step", "generation", "source"}`` → pulls that rank's replica from
   the ckptd at ``source`` into this node's slot (verified), for a restore on a new node
-- ``{"op": "status"}`` → ``{"memory": {rank: [[step, gen], …]}, "fingerprints": {rank: [[step,
+- ``{"op": "status", "rescan": bool}`` (rescan: the node's workers are gone, take in any
+  complete snapshot whose ``staged`` never came) → ``{"memory": {rank: [[step, gen], …]}, "fingerprints": {rank: [[step,
   gen, layout, value], …]}, "events": […]}`` (events drained; fingerprint.py)
 - ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
 """
@@ -100,8 +101,7 @@ class Ckptd:
         self.sock.listen(64)
         self.sock.settimeout(0.2)
         adopted: dict[str, list[str]] = {}
-        for path in sorted(shm_dir.glob(f"trainguard-{job}-{node}-r*-s[0-9]")):
-            rank = int(path.name.rsplit("-r", 1)[1].split("-")[0])
+        for rank, path in self._rank_slots():
             what = self.persister.adopt(rank, path)
             if what is not None:
                 adopted.setdefault(what, []).append(path.name)
@@ -111,6 +111,11 @@ class Ckptd:
     def _emit(self, kind: str, **data: Any) -> None:
         with self._lock:
             self._events.append({"kind": kind, "ts": time.time(), "node": self.node, **data})
+
+    def _rank_slots(self) -> list[tuple[int, Path]]:
+        """(rank, path) of every snapshot slot of this job and node in shared memory."""
+        paths = sorted(self.shm_dir.glob(f"trainguard-{self.job}-{self.node}-r*-s[0-9]"))
+        return [(int(p.name.rsplit("-r", 1)[1].split("-")[0]), p) for p in paths]
 
     def slots(self) -> list[Path]:
         return sorted(self.shm_dir.glob(f"trainguard-{self.job}-{self.node}-*"))
@@ -215,6 +220,11 @@ class Ckptd:
             self.persister.forget(Path(req["slot"]))
             return {"ok": True}
         if op == "status":
+            if req.get("rescan"):  # the node's workers are gone: any snapshot they finished
+                for rank, path in self._rank_slots():
+                    what = self.persister.rescan(rank, path)
+                    if what is not None:
+                        self._emit("ckpt_rescanned", rank=rank, slot=path.name, result=what)
             with self._lock:
                 events, self._events = self._events, []
             index = self.persister.memory_index()

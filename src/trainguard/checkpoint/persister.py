@@ -309,6 +309,8 @@ class Persister:
         self._fps: dict[int, dict[tuple[int, int], list[int]]] = {}
         self._closed = False
         self._busy = 0
+        self._current: tuple[str, int, int] | None = None  # (slot, step, gen) being persisted
+        self._forgotten: set[tuple[str, int, int]] = set()  # found corrupt: never re-adopted
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
         self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
         self._failed: dict[int, str] = {}  # step → why its part could not be persisted here
@@ -410,6 +412,25 @@ class Persister:
             return "queued"
         return "indexed"
 
+    def rescan(self, rank: int, slot: Path) -> str | None:
+        """Take in a complete snapshot this persister was never told of: its writer died
+        between writing the slot's header and its ``staged`` call (a kill one instruction
+        too early must not lose a finished snapshot). Call only while no writer of ``slot``
+        runs (the agent asks after its workers exited). Returns what ``adopt`` did, or None
+        when the slot is empty, torn, already known, or was forgotten as corrupt."""
+        h = snapshot.peek_header(slot)
+        if h is None:
+            return None
+        key = (str(slot), int(h["step"]), int(h["generation"]))
+        with self._cv:
+            known = (
+                self._verified.get(rank, {}).get(key[0]) == key[1:]
+                or self._current == key
+                or key in self._forgotten
+                or any((str(p), st, g) == key for p, st, g, _ in self._pending.get(rank, []))
+            )
+        return None if known else self.adopt(rank, slot)
+
     def persist_held(self, step: int, generation: int) -> list[int]:
         """Queue every rank's verified copy of (``step``, ``generation``) held here for the
         durable tier (a planned stop: the workers are gone, their snapshots are not).
@@ -432,9 +453,12 @@ class Persister:
 
     def forget(self, slot: Path) -> None:
         """Drop a snapshot a reader found corrupt: out of the memory index, never re-adopted."""
+        h = snapshot.peek_header(slot)
         with self._cv:
             for v in self._verified.values():
                 v.pop(str(slot), None)
+            if h is not None:
+                self._forgotten.add((str(slot), int(h["step"]), int(h["generation"])))
         snapshot.sums_path(slot).unlink(missing_ok=True)
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
@@ -485,6 +509,7 @@ class Persister:
                 rank = min(r for r, q in self._pending.items() if q)
                 slot, step, gen, durable = self._pending[rank].pop(0)
                 self._busy += 1
+                self._current = (str(slot), step, gen)
             try:
                 self._persist_one(rank, slot, step, gen, durable)
             except (
@@ -498,6 +523,7 @@ class Persister:
             finally:
                 with self._cv:
                     self._busy -= 1
+                    self._current = None
                     self._cv.notify_all()
 
     def _persist_one(self, rank: int, slot_path: Path, step: int, gen: int, durable: bool) -> None:
