@@ -216,3 +216,30 @@ def test_counters_that_predict_a_failure_flag_a_node_once(
     hot = RiskWatch(RiskConfig(temp_margin_c=5))
     assert hot.observe("g", 0.0, {"gpu_temp_c": 80, "gpu_temp_slowdown_c": 90}) is None
     assert hot.observe("g", 1.0, {"gpu_temp_c": 86, "gpu_temp_slowdown_c": 90}) is not None
+
+
+def test_a_culprit_whose_recheck_passes_during_the_recovery_is_still_replaced() -> None:
+    """The culprit's node is quarantined at the fault; with a short ``recheck_s`` its host
+    checks pass again (back to standby) while the restart still waits for the memory index.
+    It must not keep its rank: a standby takes it (a clean-clone run restarted on node0)."""
+    c = cfg(recheck_s=1.0, preflight="off")
+    s, obs = running(1000.0)
+    s.join_order = ["node0", "node1", "node2"]
+    good = {r: 100 for r in range(4)}
+    s, _ = decide(s, obs, 1000.0, c, [], reported({15: good, 20: good, 25: {**good, 1: 101}}))
+    assert s.phase == Phase.STOPPING and s.pools["node0"] == Pool.FAULTY
+    now, events = 1000.0, []
+    for n in ("node0", "node1"):  # both stopped; node1's ckptd index was asked before the stop
+        o = obs[n]
+        o.stopped_generation, o.stopped_at, o.cleaned_at = 0, now, now
+        o.generation, o.workers, o.ckptd_at = None, {}, (now if n == "node0" else now - 1)
+    for _ in range(30):  # 3 s: the restart waits for node1's index, the recheck comes due
+        now += 0.1
+        for o in obs.values():
+            o.last_seen = now
+        s, ev = decide(s, obs, now, c, [])
+        events += ev
+    assert s.generation == 0 and s.pools["node0"] == Pool.STANDBY, [k for k, _ in events]
+    obs["node1"].ckptd_at = now  # asked again after the stop
+    s, _ = decide(s, obs, now + 0.1, c, [])
+    assert s.generation == 1 and s.assignment == {"node2": 0, "node1": 1}, s.assignment

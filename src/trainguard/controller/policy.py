@@ -140,7 +140,9 @@ def replace_and_restart(
     s.persist_settle_until = None
     lost = sorted(
         set(lost_nodes(s, obs, now, cfg))
-        | {n for n in s.assignment if s.pools.get(n) in (Pool.FAULTY, Pool.RETIRED)}
+        # Quarantined during this generation or its recovery, even if its re-check has
+        # passed since (back in standby): it leaves the job; it may come back as a spare.
+        | {n for n in s.assignment if s.pools.get(n) != Pool.RUNNING}
         | {n for n in s.assignment if n == held_out(s)},  # an SDC recomputation's
         key=lambda n: s.assignment[n],
     )
