@@ -66,3 +66,6 @@ else:
     import trainguard.integrations.hf
 
     trainguard.integrations.hf.train(trainer)
+if torch.distributed.is_initialized():  # as users end a torchrun script (gloo: no abort at exit)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
