@@ -199,6 +199,7 @@ def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     assert "trainguard: rank 0 restored step 100 from the durable tier" in again.stderr
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_a_stop_persists_the_newest_snapshot_of_a_script_without_a_sigterm_handler(
     tmp_path: Path,
 ) -> None:

@@ -149,6 +149,7 @@ def test_two_replicas_that_disagree_are_recomputed_with_one_held_out_and_the_cul
     assert [f["cause"] for f in rep["faults"]] == ["sdc"], rep["faults"]
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_a_node_whose_corrected_errors_climb_is_drained_with_no_lost_step(
     tmp_path: Path, reference2: dict[int, float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -229,6 +230,7 @@ def test_a_flipped_gradient_bit_before_the_all_reduce_is_caught_by_the_gradient_
     assert sdc["signal"] == "grad_norm" and sdc["rollback_to"] == starts[1]["restore_step"]
 
 
+@pytest.mark.slow  # in CI's slow run (keeps the default suite under 15 min)
 def test_a_node_whose_gemms_go_wrong_in_training_is_named_by_its_probe_and_replaced(
     tmp_path: Path, reference2: dict[int, float]
 ) -> None:
