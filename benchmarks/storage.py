@@ -45,6 +45,7 @@ from tests.helpers.s3server import CREDENTIALS, moto_server  # noqa: E402
 from trainguard.checkpoint import codec, storage  # noqa: E402
 from trainguard.checkpoint.archive import Archive  # noqa: E402
 from trainguard.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from trainguard.runtime import api as rt_api  # noqa: E402
 
 
 def median_s(
@@ -116,10 +117,11 @@ def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -
         copy_step(hot, dest, 1)
         ck = Checkpointer(dest, durable_every=0, memory_tier=False)
         target = {k: torch.empty_like(v) for k, v in live.items()}
+        os.environ[rt_api.ENV_PREFETCH_DIR] = str(dest)
+        gen = storage.committed_generation(dest, 1)
 
-        def load() -> None:
-            _, sums = storage.verify_for_load(dest, 1)
-            ck._load_durable(target, 0, 1, sums)
+        def load() -> None:  # the rank's path: Checkpointer.load's prefetched tier
+            assert ck._load_prefetched(target, 0, 1, gen), "the prefetched copy was not read"
 
         took = median_s(load, repeats)
         ck.close()

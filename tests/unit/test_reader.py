@@ -22,14 +22,18 @@ def _part(tmp_path: Path) -> tuple[Path, dict, dict]:
         "big": torch.randn(CHUNK // 4 * 2 + 5, generator=g),  # several requests in flight
         "small": torch.arange(7, dtype=torch.int64),
         "half": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+        "odd": torch.arange(3, dtype=torch.int8),  # puts the next record at an odd offset
+        "after": torch.randn(5, 3, generator=g),
+        "strided": torch.randn(4, 6, generator=g).t(),  # not row-major: torch.load reads it
+        "scalar": torch.tensor(2.5),
     }
     sums = write_part(tmp_path / "p", state, {}, {})
     return tmp_path / "p", {k.removeprefix("p/"): v for k, v in sums.items()}, state
 
 
-def _load(path: Path, sums: dict, like: dict) -> dict:
+def _load(path: Path, sums: dict, like: dict, mapped: bool = False) -> dict:
     out = {k: torch.zeros_like(v) for k, v in like.items()}
-    reader = VerifyingReader(path, sums)
+    reader = VerifyingReader(path, sums, mapped=mapped)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(out, storage_reader=reader, no_dist=True)
@@ -37,9 +41,12 @@ def _load(path: Path, sums: dict, like: dict) -> dict:
     return out
 
 
-def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path, mapped: bool) -> None:
+    """Read (preads in flight) or mapped (a prefetched copy on tmpfs): records at any offset,
+    of any dtype, strided or 0-dim, come back bit for bit."""
     path, sums, state = _part(tmp_path)
-    got = _load(path, sums, state)
+    got = _load(path, sums, state, mapped)
     plain = {k: torch.zeros_like(v) for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -48,25 +55,28 @@ def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path) -> None:
         assert torch.equal(got[k], v) and torch.equal(plain[k], v), k
 
 
-def _raises_corrupt(path: Path, sums: dict, like: dict, match: str) -> None:
+def _raises_corrupt(path: Path, sums: dict, like: dict, match: str, mapped: bool) -> None:
     with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException
-        _load(path, sums, like)
+        _load(path, sums, like, mapped)
     seen = [info.value, *getattr(info.value, "failures", {}).values()]
     flat = [x[0] if isinstance(x, tuple) else x for x in seen]
     assert any(isinstance(x, CorruptFileError) and match in str(x) for x in flat), flat
 
 
-def test_a_flipped_byte_a_short_file_and_an_unlisted_file_are_corrupt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_flipped_byte_a_short_file_and_an_unlisted_file_are_corrupt(
+    tmp_path: Path, mapped: bool
+) -> None:
     path, sums, state = _part(tmp_path)
     data = next(p for p in path.iterdir() if p.suffix == ".distcp")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))
-    _raises_corrupt(path, sums, state, "checksum mismatch")
+    _raises_corrupt(path, sums, state, "checksum mismatch", mapped)
     data.write_bytes(bytes(raw[:-10]))
-    _raises_corrupt(path, sums, state, "size")
+    _raises_corrupt(path, sums, state, "size", mapped)
     _raises_corrupt(path, {k: v for k, v in sums.items() if not k.endswith(".distcp")}, state,
-                    "not in the step's manifest")  # fmt: skip
+                    "not in the step's manifest", mapped)  # fmt: skip
 
 
 @pytest.mark.parametrize("zip_crc", [True, False])

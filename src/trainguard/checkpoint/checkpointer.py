@@ -682,7 +682,7 @@ class Checkpointer:
         problems, sums = storage.verify_for_load(root, step)
         if not problems:
             try:
-                self._load_durable(state, rank, step, sums, root=root)
+                self._load_durable(state, rank, step, sums, root=root, mapped=True)
                 return True
             except (CheckpointCorruptError, CheckpointReadError) as e:
                 problems = [str(e)]
@@ -711,6 +711,7 @@ class Checkpointer:
         sums: dict[str, dict[str, Any]] | None = None,
         *,
         root: Path | None = None,
+        mapped: bool = False,
     ) -> None:
         """Read this rank's keys of durable ``step`` into ``state``. ``sums``: the step's
         manifest files: each file read is checked against them as it is read (one pass,
@@ -718,7 +719,8 @@ class Checkpointer:
         CheckpointCorruptError for a file that does not match (``state`` may then hold some
         of its values: do not go on with it), CheckpointReadError when a file cannot be read
         (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
-        the live state."""
+        the live state. ``mapped``: the step is on a shared-memory filesystem (a prefetched
+        copy): its files are mapped, not read (``VerifyingReader``)."""
         root = self.root if root is None else root
         path = storage.step_dir(root, step)
         try:
@@ -750,7 +752,9 @@ class Checkpointer:
                 dcp.load(
                     conv,
                     checkpoint_id=str(path),
-                    storage_reader=VerifyingReader(path, sums) if sums is not None else None,
+                    storage_reader=VerifyingReader(path, sums, mapped=mapped)
+                    if sums is not None
+                    else None,
                     planner=state_mod.TypedLoadPlanner(),
                     no_dist=True,
                 )

@@ -13,12 +13,19 @@ that the file's checksum is whole) and handed to the planner as DCP's own reader
 file whose checksum or size differs raises ``CorruptFileError`` once its last byte is read:
 items of it may already be in the live state by then, so the caller must not go on with
 that state (``Checkpointer.load`` raises, the rank restarts from an older point).
+
+``mapped=True`` (a standby's prefetched copy, on a shared-memory filesystem): each file is
+mapped instead (``mmap``, pages populated at once): the items are views of the page cache,
+copied once, into the live tensors, and the CRC runs over the same pages; no buffer is
+allocated and faulted in per item, which cost 4 of every 5 seconds of such a restore.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -50,9 +57,12 @@ class VerifyingReader(FileSystemReader):
     Raises CorruptFileError from ``read_data`` (wrapped by DCP in a CheckpointException) for
     a file that does not match, or one the manifest does not list."""
 
-    def __init__(self, path: str | os.PathLike[str], sums: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], sums: dict[str, dict[str, Any]], *, mapped: bool = False
+    ) -> None:
         super().__init__(path)
         self.sums = sums
+        self.mapped = mapped
         self.bytes_read = 0
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -84,6 +94,11 @@ class VerifyingReader(FileSystemReader):
             for req in reqs:
                 md = self.storage_data[req.storage_index]
                 ranges.setdefault((int(md.offset), int(md.length)), []).append(req)
+            if self.mapped and size > 0:
+                crc = self._serve_mapped(fd, size, ranges, planner)
+                if crc != int(want["crc32c"]):
+                    raise CorruptFileError(f"{path}: checksum mismatch")
+                return
             crc, pos = 0, 0
             for (off, length), items in sorted(ranges.items()):
                 if off > pos:  # bytes this rank does not need: read for the checksum only
@@ -106,11 +121,40 @@ class VerifyingReader(FileSystemReader):
         finally:
             os.close(fd)
 
+    def _serve_mapped(
+        self,
+        fd: int,
+        size: int,
+        ranges: dict[tuple[int, int], list[ReadItem]],
+        planner: LoadPlanner,
+    ) -> int:
+        """Serve ``ranges`` from a mapping of the whole file; returns the file's CRC-32C."""
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        try:
+            with warnings.catch_warnings():  # read-only pages: only ever copied from
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                whole = torch.frombuffer(mm, dtype=torch.uint8)
+            for (off, length), items in sorted(ranges.items()):
+                for req in items:
+                    self._serve(req, whole[off : off + length], planner)
+                self.bytes_read += length
+            del whole
+            return int(crc32c.crc32c(mm))
+        finally:
+            with contextlib.suppress(BufferError):  # a view still alive: closed when collected
+                mm.close()
+
     def _serve(self, req: ReadItem, buf: torch.Tensor, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
             return
         tensor = saved_tensor_view(buf)  # a view of the bytes read: no copy before copy_
+        if tensor is None:
+            target = planner.resolve_tensor(req).detach()
+            if _copy_whole(buf, target, req.storage_offsets, req.lengths):
+                planner.commit_tensor(req, target)
+                return
         if tensor is None:  # not the plain record layout: torch's own reader
             stream = io.BytesIO(buf.numpy())
             tensor = cast(torch.Tensor, torch.load(stream, map_location="cpu", weights_only=True))
@@ -231,7 +275,50 @@ def _span(buf: torch.Tensor, info: zipfile.ZipInfo) -> tuple[int, int]:
 def saved_tensor_view(buf: torch.Tensor) -> torch.Tensor | None:
     """The tensor a ``torch.save`` record in ``buf`` holds, as a view of ``buf`` (the stored,
     uncompressed storage bytes, with the saved offset, size and stride), or None when the
-    record is not that plain layout (the caller then lets ``torch.load`` read it)."""
+    record is not that plain layout, or its bytes are not aligned for its dtype (the caller
+    then copies bytes, ``_copy_whole``, or lets ``torch.load`` read it)."""
+    rec = _record(buf)
+    if rec is None:
+        return None
+    data, meta = rec
+    try:
+        storage = data.view(meta.dtype)
+        # as_strided's offset counts from the start of the buffer's storage, not the slice's
+        return storage.as_strided(meta.size, meta.stride, storage.storage_offset() + meta.offset)
+    except RuntimeError:  # e.g. a record at an odd offset of a mapped file
+        return None
+
+
+def _copy_whole(buf: torch.Tensor, target: torch.Tensor, offsets: Any, lengths: Any) -> bool:
+    """Copy the plain record in ``buf`` into ``target`` byte for byte when it is the whole
+    of a contiguous tensor of ``target``'s dtype and shape (alignment does not matter then);
+    False when it is not."""
+    rec = _record(buf)
+    if rec is None or not target.is_contiguous():
+        return False
+    data, meta = rec
+    size, whole = tuple(target.size()), list(meta.size)
+    contiguous, n = [], 1
+    for dim in reversed(whole):  # the row-major strides of the saved shape
+        contiguous.insert(0, n)
+        n *= max(dim, 1)
+    if (
+        meta.dtype != target.dtype
+        or meta.size != size
+        or meta.offset != 0
+        or meta.stride != tuple(contiguous)
+        or list(offsets) != [0] * len(whole)
+        or list(lengths) != whole
+    ):
+        return False
+    nbytes = target.numel() * target.element_size()
+    target.reshape(-1).view(torch.uint8)[:nbytes].copy_(data[:nbytes])
+    return True
+
+
+def _record(buf: torch.Tensor) -> tuple[torch.Tensor, _Rebuilt] | None:
+    """The storage bytes (a uint8 view of ``buf``) and the pickle's description of the plain
+    tensor record in ``buf``, or None when it is not one."""
     try:
         with zipfile.ZipFile(_Bytes(buf)) as z:  # the directory only: records read below
             infos = {i.filename: i for i in z.infolist()}
@@ -249,9 +336,7 @@ def saved_tensor_view(buf: torch.Tensor) -> torch.Tensor | None:
         nbytes = meta.numel * meta.dtype.itemsize
         if end - start < nbytes:
             return None
-        storage = buf[start : start + nbytes].view(meta.dtype)
-        # as_strided's offset counts from the start of the buffer's storage, not the slice's
-        return storage.as_strided(meta.size, meta.stride, storage.storage_offset() + meta.offset)
+        return buf[start : start + nbytes], meta
     except (StopIteration, KeyError, ValueError, RuntimeError, TypeError, AttributeError,
             zipfile.BadZipFile, pickle.UnpicklingError, struct.error):  # fmt: skip
         return None
