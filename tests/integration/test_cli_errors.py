@@ -42,6 +42,27 @@ def test_bad_flags(tmp_path: Path, args: list[str], needle: str) -> None:
     assert not run_dir.exists()  # nothing started, nothing written
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--master-port", "29500"], "--master-port: the controller picks rank 0's store"),
+        (["run", "--standby", "two"], "argument --standby: invalid int value: 'two'"),
+        (["run", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_argparse_errors_are_one_line_too(tmp_path: Path, args: list[str], needle: str) -> None:
+    """Refused torchrun flags, a flag without its value, an unknown flag or command: one
+    line with the problem and where the flags are listed, not the whole usage text."""
+    res = subprocess.run(
+        trainguard_cmd(*args, str(GPT)) if args[0] == "run" else trainguard_cmd(*args),
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "--help)" in lines[0], res.stderr
+
+
 def test_unwritable_run_dir(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where a directory should be")

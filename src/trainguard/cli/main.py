@@ -12,6 +12,7 @@ import socket
 import sqlite3
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from trainguard import __version__
 
@@ -75,10 +76,16 @@ def _refuse(p: argparse.ArgumentParser, multi_host: bool) -> None:
         p.add_argument(*names, action=_Refuse, why=why)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem and where the flags are listed, not the
+    whole usage text (a wrong flag among a job's many scrolls the reason off the screen)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="trainguard", description="Keep PyTorch training jobs running through faults."
-    )
+    p = _Parser(prog="trainguard", description="Keep PyTorch training jobs running through faults.")
     p.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
