@@ -91,6 +91,8 @@ def test_outside_text_is_printed_as_text_and_output_can_be_cut_short(tmp_path: P
         assert "Traceback" not in out.stderr
         if sub == ["report"]:  # (events cut each detail at 100 characters)
             assert needle in out.stdout, out.stdout[-3000:]
+        if sub == ["status"]:  # the job failed: no node is said to be running now
+            assert "running   - (the job ended; its last generation ran on node0)" in out.stdout
     for sub in (["events", "--json"], ["status", "--json"], ["report", "--json"]):
         pipe = subprocess.run(
             " ".join([*cmd, *sub, "--run-dir", str(run_dir)]) + " | head -c 20",

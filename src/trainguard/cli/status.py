@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from trainguard.controller.api import Phase
 from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.store import open_readonly, read_kv
 
@@ -98,8 +99,12 @@ def status_command(args: argparse.Namespace) -> int:
         f"phase {st['phase']} for {since:.0f}s · generation {gen} · restarts {st['restarts']} · "
         f"restored from step {restore} · source: {source}"
     )
+    ended = st["phase"] in {p.value for p in Phase if p.terminal}
     for name in ("all", "normal", "abnormal", "standby", "running"):
-        print(f"  {name:9s} {', '.join(st['lists'][name]) or '-'}")
+        nodes = ", ".join(st["lists"][name]) or "-"
+        if name == "running" and ended:  # nothing runs now: say where the last generation ran
+            nodes = f"- (the job ended; its last generation ran on {nodes})"
+        print(f"  {name:9s} {nodes}")
     if st["nodes"]:
         print(
             f"\n  {'node':10s} {'addr':16s} {'pool':8s} {'rank':>4s} {'seen':>6s} {'gen':>4s}  workers"
