@@ -5,7 +5,9 @@ job in the right state and (fixture ``no_leaks``) nothing of it left running."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -21,6 +23,7 @@ from tests.conftest import (
     report,
     run_job,
     start_job,
+    trainguard_cmd,
     wait_for,
     worker_pid,
 )
@@ -41,6 +44,13 @@ def test_sigkill_of_a_worker(tmp_path: Path) -> None:
     assert [(f["cause"], f["rank"]) for f in rep["faults"]] == [("worker_crash", 1)]
     assert rep["recoveries"][0]["restore_step"] >= 20
     assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    # The printed report fits a piped, 80-column terminal: the recovery's phases down the side.
+    text = subprocess.run(
+        [*trainguard_cmd(), "report", "--run-dir", str(run)], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "COLUMNS": "80"},
+    ).stdout  # fmt: skip
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert re.search(r"│ rendezvous +│ +\d+\.\d\d │", text), text
 
 
 def test_sigstop_of_a_worker_is_a_hang(tmp_path: Path) -> None:

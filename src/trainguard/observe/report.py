@@ -359,20 +359,45 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
                 str(a.get("rank", "")), str(a.get("node", "")), json.dumps(detail)[:90],
             )  # fmt: skip
         con.print(al)
-    rec = Table(title=f"recoveries: {len(rep['recoveries'])} (seconds per phase)")
-    for col in ("gen", "restore", "from", "lost", *PHASES):
-        rec.add_column(col, justify="right")
-    for r in rep["recoveries"]:
-        tiers = r.get("restore_tiers") or {}
-        rec.add_row(
-            f"{r['from_generation']}→{r['to_generation']}",
-            str(r["restore_step"]),
-            f"mem {tiers.get('memory', 0)}/disk {tiers.get('durable', 0)}" if tiers else "—",
-            str(r["steps_lost"]),
-            *(_fmt(r["phases_s"].get(p)) for p in PHASES),
-        )
-    con.print(rec)
+    _print_recoveries(con, rep["recoveries"])
     return 0
+
+
+def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
+    """One row per recovery on a wide terminal; on a narrow one (a pipe, 80 columns) one
+    column per recovery, the phases down the side, as many recoveries a table as fit."""
+    title = f"recoveries: {len(recoveries)} (seconds per phase)"
+    rows = []
+    for r in recoveries:
+        tiers = r.get("restore_tiers") or {}
+        rows.append(
+            (
+                f"{r['from_generation']}→{r['to_generation']}",
+                str(r["restore_step"]),
+                f"mem {tiers.get('memory', 0)}/disk {tiers.get('durable', 0)}" if tiers else "—",
+                str(r["steps_lost"]),
+                *(_fmt(r["phases_s"].get(p)) for p in PHASES),
+            )
+        )
+    heads = ("gen", "restore", "from", "lost", *PHASES)
+    if con.width >= 130 or not rows:
+        rec = Table(title=title)
+        for col in heads:
+            rec.add_column(col, justify="right")
+        for row in rows:
+            rec.add_row(*row)
+        con.print(rec)
+        return
+    per = max(1, (con.width - 20) // 16)  # recovery columns that fit beside the phase names
+    for i in range(0, len(rows), per):
+        part = rows[i : i + per]
+        rec = Table(title=title if i == 0 else None)
+        rec.add_column("")
+        for row in part:
+            rec.add_column(row[0], justify="right")
+        for j, head in enumerate(heads[1:], start=1):
+            rec.add_row(head, *(row[j] for row in part))
+        con.print(rec)
 
 
 def _print_preflight(con: Console, rep: dict[str, Any]) -> None:
