@@ -116,7 +116,9 @@ def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -
     try:
         copy_step(hot, dest, 1)
         ck = Checkpointer(dest, durable_every=0, memory_tier=False)
-        target = {k: torch.empty_like(v) for k, v in live.items()}
+        target = {
+            k: torch.zeros_like(v) for k, v in live.items()
+        }  # live tensors: written (model init)
         os.environ[rt_api.ENV_PREFETCH_DIR] = str(dest)
         gen = storage.committed_generation(dest, 1)
 

@@ -31,9 +31,9 @@ def _part(tmp_path: Path) -> tuple[Path, dict, dict]:
     return tmp_path / "p", {k.removeprefix("p/"): v for k, v in sums.items()}, state
 
 
-def _load(path: Path, sums: dict, like: dict, mapped: bool = False) -> dict:
+def _load(path: Path, sums: dict, like: dict, direct: bool = False) -> dict:
     out = {k: torch.zeros_like(v) for k, v in like.items()}
-    reader = VerifyingReader(path, sums, mapped=mapped)
+    reader = VerifyingReader(path, sums, direct=direct)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(out, storage_reader=reader, no_dist=True)
@@ -41,12 +41,13 @@ def _load(path: Path, sums: dict, like: dict, mapped: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
-def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path, mapped: bool) -> None:
-    """Read (preads in flight) or mapped (a prefetched copy on tmpfs): records at any offset,
+@pytest.mark.parametrize("direct", [False, True], ids=["read", "direct"])
+def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path, direct: bool) -> None:
+    """Read whole (preads in flight) or direct (a prefetched copy: whole tensors read straight
+    into the live ones): records at any offset,
     of any dtype, strided or 0-dim, come back bit for bit."""
     path, sums, state = _part(tmp_path)
-    got = _load(path, sums, state, mapped)
+    got = _load(path, sums, state, direct)
     plain = {k: torch.zeros_like(v) for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -55,28 +56,28 @@ def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path, mapped: b
         assert torch.equal(got[k], v) and torch.equal(plain[k], v), k
 
 
-def _raises_corrupt(path: Path, sums: dict, like: dict, match: str, mapped: bool) -> None:
+def _raises_corrupt(path: Path, sums: dict, like: dict, match: str, direct: bool) -> None:
     with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException
-        _load(path, sums, like, mapped)
+        _load(path, sums, like, direct)
     seen = [info.value, *getattr(info.value, "failures", {}).values()]
     flat = [x[0] if isinstance(x, tuple) else x for x in seen]
     assert any(isinstance(x, CorruptFileError) and match in str(x) for x in flat), flat
 
 
-@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+@pytest.mark.parametrize("direct", [False, True], ids=["read", "direct"])
 def test_a_flipped_byte_a_short_file_and_an_unlisted_file_are_corrupt(
-    tmp_path: Path, mapped: bool
+    tmp_path: Path, direct: bool
 ) -> None:
     path, sums, state = _part(tmp_path)
     data = next(p for p in path.iterdir() if p.suffix == ".distcp")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))
-    _raises_corrupt(path, sums, state, "checksum mismatch", mapped)
+    _raises_corrupt(path, sums, state, "checksum mismatch", direct)
     data.write_bytes(bytes(raw[:-10]))
-    _raises_corrupt(path, sums, state, "size", mapped)
+    _raises_corrupt(path, sums, state, "size", direct)
     _raises_corrupt(path, {k: v for k, v in sums.items() if not k.endswith(".distcp")}, state,
-                    "not in the step's manifest", mapped)  # fmt: skip
+                    "not in the step's manifest", direct)  # fmt: skip
 
 
 @pytest.mark.parametrize("zip_crc", [True, False])

@@ -682,7 +682,7 @@ class Checkpointer:
         problems, sums = storage.verify_for_load(root, step)
         if not problems:
             try:
-                self._load_durable(state, rank, step, sums, root=root, mapped=True)
+                self._load_durable(state, rank, step, sums, root=root, direct=True)
                 return True
             except (CheckpointCorruptError, CheckpointReadError) as e:
                 problems = [str(e)]
@@ -711,7 +711,7 @@ class Checkpointer:
         sums: dict[str, dict[str, Any]] | None = None,
         *,
         root: Path | None = None,
-        mapped: bool = False,
+        direct: bool = False,
     ) -> None:
         """Read this rank's keys of durable ``step`` into ``state``. ``sums``: the step's
         manifest files: each file read is checked against them as it is read (one pass,
@@ -719,8 +719,8 @@ class Checkpointer:
         CheckpointCorruptError for a file that does not match (``state`` may then hold some
         of its values: do not go on with it), CheckpointReadError when a file cannot be read
         (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
-        the live state. ``mapped``: the step is on a shared-memory filesystem (a prefetched
-        copy): its files are mapped, not read (``VerifyingReader``)."""
+        the live state. ``direct``: whole tensors are read straight into the live ones (a
+        prefetched copy in memory; ``VerifyingReader``)."""
         root = self.root if root is None else root
         path = storage.step_dir(root, step)
         try:
@@ -752,7 +752,7 @@ class Checkpointer:
                 dcp.load(
                     conv,
                     checkpoint_id=str(path),
-                    storage_reader=VerifyingReader(path, sums, mapped=mapped)
+                    storage_reader=VerifyingReader(path, sums, direct=direct)
                     if sums is not None
                     else None,
                     planner=state_mod.TypedLoadPlanner(),
