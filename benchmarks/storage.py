@@ -192,7 +192,12 @@ def measure(
         fs = ours.fs
 
         def clear(prefix: str) -> Callable[[], None]:
-            return lambda: fs.rm(prefix, recursive=True) if fs.exists(prefix) else None
+            def run() -> None:
+                if fs.exists(prefix):
+                    fs.rm(prefix, recursive=True)
+                ours._known = None  # deleted behind the archive's back: it must list again
+
+            return run
 
         up_ours = median_s(lambda: ours.upload(step, 1), repeats, clear("bench/ours"))
         up_s3fs = median_s(
