@@ -26,6 +26,7 @@ def _part(tmp_path: Path) -> tuple[Path, dict, dict]:
         "after": torch.randn(5, 3, generator=g),
         "strided": torch.randn(4, 6, generator=g).t(),  # not row-major: torch.load reads it
         "scalar": torch.tensor(2.5),
+        "view": torch.randn(600_000, generator=g)[100_000:500_000],  # of a larger storage
     }
     sums = write_part(tmp_path / "p", state, {}, {})
     return tmp_path / "p", {k.removeprefix("p/"): v for k, v in sums.items()}, state

@@ -136,9 +136,8 @@ class VerifyingReader(FileSystemReader):
     ) -> int:
         """Serve the disjoint ``ranges`` of one file, whole-tensor items straight into their
         live tensors (see the module); returns the file's CRC-32C."""
-        chain: list[
-            concurrent.futures.Future[int]
-        ] = []  # one CRC task per piece, in file order, one thread
+        # one CRC task per piece, in file order, on one thread
+        chain: list[concurrent.futures.Future[int]] = []
 
         def more(piece: torch.Tensor) -> None:
             prev = chain[-1] if chain else None
@@ -346,8 +345,9 @@ def saved_tensor_view(buf: torch.Tensor) -> torch.Tensor | None:
 
 
 def _whole(meta: _Rebuilt, target: torch.Tensor, req: ReadItem) -> bool:
-    """The record is the whole of ``target``: same dtype and shape, row-major, no offset,
-    and the request takes all of it; ``target`` is contiguous (its bytes are one span)."""
+    """The record is the whole of ``target``: same dtype and shape, row-major, no offset, a
+    storage of just its elements, and the request takes all of it; ``target`` is contiguous
+    (its bytes are one span)."""
     whole = list(meta.size)
     contiguous, n = [], 1
     for dim in reversed(whole):  # the row-major strides of the saved shape
@@ -356,6 +356,7 @@ def _whole(meta: _Rebuilt, target: torch.Tensor, req: ReadItem) -> bool:
     return (
         target.is_contiguous()
         and meta.dtype == target.dtype
+        and meta.numel == target.numel()  # the saved storage is the tensor, no more
         and meta.size == tuple(target.size())
         and meta.offset == 0
         and meta.stride == tuple(contiguous)
