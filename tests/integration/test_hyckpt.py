@@ -463,3 +463,17 @@ def test_a_snapshot_whose_writer_died_before_telling_ckptd_is_taken_in_after_the
         ], after
     finally:
         c.close()
+    # Nor does a restarted ckptd: the slot is dropped, not re-verified as a new snapshot.
+    ckptd.send_signal(signal.SIGKILL)
+    ckptd.wait(timeout=10)
+    d2 = _start_ckptd(tmp_path, shm)
+    try:
+        st = wait_for(_status, 30, "the restarted ckptd")
+        adopted = [e for e in st["events"] if e["kind"] == "ckptd_adopted"]
+        assert adopted and path.name in adopted[0].get("dropped", []), adopted
+        assert st["memory"] == {}
+    finally:
+        c2 = CkptdClient(socket_name(JOB, NODE))
+        c2.call({"op": "shutdown", "unlink": True})
+        c2.close()
+        d2.wait(timeout=60)

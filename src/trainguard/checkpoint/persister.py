@@ -388,6 +388,8 @@ class Persister:
         if h is None:
             return None
         step, gen, durable = int(h["step"]), int(h["generation"]), bool(h.get("durable"))
+        if snapshot.forgotten(slot, step, gen):  # a reader or a check found it corrupt
+            return "dropped"
         try:
             meta = json.loads(snapshot.sums_path(slot).read_text())
         except (OSError, ValueError):
@@ -402,7 +404,7 @@ class Persister:
         finally:
             s.close()
         if not ok:
-            snapshot.sums_path(slot).unlink(missing_ok=True)
+            snapshot.mark_forgotten(slot, step, gen)
             return "dropped"
         self._remember(rank, step, gen, h, sums)
         with self._cv:
@@ -459,7 +461,10 @@ class Persister:
                 v.pop(str(slot), None)
             if h is not None:
                 self._forgotten.add((str(slot), int(h["step"]), int(h["generation"])))
-        snapshot.sums_path(slot).unlink(missing_ok=True)
+        if h is not None:  # a restarted ckptd must not take it in again either
+            snapshot.mark_forgotten(slot, int(h["step"]), int(h["generation"]))
+        else:
+            snapshot.sums_path(slot).unlink(missing_ok=True)
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
         """Until ``step`` is committed in the durable tier (by anyone) or the deadline."""

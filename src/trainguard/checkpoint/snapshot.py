@@ -411,6 +411,26 @@ def write_sums(
     os.replace(tmp, sums_path(slot))
 
 
+def mark_forgotten(slot: Path, step: int, generation: int) -> None:
+    """Record that the slot's snapshot of (``step``, ``generation``) failed its checksums: never
+    indexed again, by this ckptd or a restarted one (``read_sums`` gives None for it), and
+    free for the writer to overwrite."""
+    tmp = slot.with_name(slot.name + ".sum.tmp")
+    tmp.write_text(
+        json.dumps({"step": step, "generation": generation, "forgotten": True, "persisted": True})
+    )
+    os.replace(tmp, sums_path(slot))
+
+
+def forgotten(slot: Path, step: int, generation: int) -> bool:
+    """``mark_forgotten`` was said of this very snapshot."""
+    try:
+        d = json.loads(sums_path(slot).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(d.get("forgotten")) and (d.get("step"), d.get("generation")) == (step, generation)
+
+
 def reusable(slot: Path, written: dict[str, Any] | None = None) -> bool:
     """May the writer overwrite this slot? Not while it holds a durable-flagged snapshot
     that the persister has not written yet. ``written``: the step, generation and durable
@@ -449,7 +469,9 @@ def read_sums(slot: Path, step: int, generation: int) -> dict[str, list[int]] | 
         d = json.loads(sums_path(slot).read_text())
     except (OSError, ValueError):
         return None
-    return d["sums"] if d.get("step") == step and d.get("generation") == generation else None
+    if d.get("forgotten") or (d.get("step"), d.get("generation")) != (step, generation):
+        return None
+    return d.get("sums")
 
 
 SLOTS = 3
