@@ -20,9 +20,10 @@ Protocol: JSON lines over a Unix stream socket in the abstract namespace
 - ``{"op": "set_peers", "addrs": ["host:port", …]}`` → replicate verified snapshots there
 - ``{"op": "fetch", "rank", "step", "generation", "source"}`` → pulls that rank's replica from
   the ckptd at ``source`` into this node's slot (verified), for a restore on a new node
-- ``{"op": "status", "rescan": bool}`` (rescan: the node's workers are gone, take in any
-  complete snapshot whose ``staged`` never came) → ``{"memory": {rank: [[step, gen], …]}, "fingerprints": {rank: [[step,
-  gen, layout, value], …]}, "events": […]}`` (events drained; fingerprint.py)
+- ``{"op": "status", "rescan": bool}`` → ``{"memory": {rank: [[step, gen], …]},
+  "fingerprints": {rank: [[step, gen, layout, value], …]}, "events": […]}`` (events drained;
+  fingerprint.py); ``rescan``: the node's workers are gone, take in any complete snapshot
+  whose ``staged`` never came
 - ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
 """
 

@@ -310,7 +310,6 @@ class Persister:
         self._closed = False
         self._busy = 0
         self._current: tuple[str, int, int] | None = None  # (slot, step, gen) being persisted
-        self._forgotten: set[tuple[str, int, int]] = set()  # found corrupt: never re-adopted
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
         self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
         self._failed: dict[int, str] = {}  # step → why its part could not be persisted here
@@ -428,10 +427,11 @@ class Persister:
             known = (
                 self._verified.get(rank, {}).get(key[0]) == key[1:]
                 or self._current == key
-                or key in self._forgotten
                 or any((str(p), st, g) == key for p, st, g, _ in self._pending.get(rank, []))
             )
-        return None if known else self.adopt(rank, slot)
+        if known or snapshot.forgotten(slot, key[1], key[2]):  # (forgotten: found corrupt)
+            return None
+        return self.adopt(rank, slot)
 
     def persist_held(self, step: int, generation: int) -> list[int]:
         """Queue every rank's verified copy of (``step``, ``generation``) held here for the
@@ -459,8 +459,6 @@ class Persister:
         with self._cv:
             for v in self._verified.values():
                 v.pop(str(slot), None)
-            if h is not None:
-                self._forgotten.add((str(slot), int(h["step"]), int(h["generation"])))
         if h is not None:  # a restarted ckptd must not take it in again either
             snapshot.mark_forgotten(slot, int(h["step"]), int(h["generation"]))
         else:

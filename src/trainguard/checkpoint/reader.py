@@ -33,6 +33,7 @@ import struct
 import sys
 import warnings
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -171,7 +172,7 @@ class VerifyingReader(FileSystemReader):
         length: int,
         req: ReadItem,
         planner: LoadPlanner,
-        more: Any,
+        more: Callable[[torch.Tensor], None],
     ) -> bool:
         """Read the item at ``off`` straight into its live tensor when it is that whole
         tensor (``_whole``) and its record lies between the two ``EDGE``s; its pieces go to
