@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -425,6 +426,55 @@ def test_a_frozen_ckptd_is_killed_restarted_and_no_rank_is_blamed(tmp_path: Path
     assert kinds.count("hang_suspected") == kinds.count("hang_cleared")
     assert sorted(losses(run)) == list(range(1, 151))
     assert max(storage.list_committed(run / "checkpoints")) == 150
+
+
+def _largest_gap(t0: float, sent: list[float], t1: float) -> float:
+    marks = [t0, *sent, t1]
+    return max(b - a for a, b in zip(marks, marks[1:], strict=False))
+
+
+def test_a_rank_waiting_on_its_ckptd_sends_keepalives_for_the_whole_wait(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    """A rank whose ckptd call waits (ckptd frozen, then killed and not yet back) tells its
+    agent so all along, or its peers, held up in a collective, are judged hung: CI's slow
+    run blamed rank 0 while its frozen ckptd was being restarted (keep-alives were sent only
+    per attempt, after a connect that fails while ckptd is down). The agent takes a rank for
+    one waiting inside trainguard for IN_TRAINGUARD_S after its last keep-alive; the gaps must
+    stay well inside that. A quick call sends none (it must not hide a real hang)."""
+    from trainguard.agent.workers import IN_TRAINGUARD_S
+    from trainguard.checkpoint.api import CheckpointError
+    from trainguard.checkpoint.backend import CkptdBackend
+
+    sent: list[float] = []
+    backend = CkptdBackend(socket_name(JOB, NODE), lambda: sent.append(time.monotonic()))
+    try:
+        assert "memory" in backend._call({"op": "status"})
+        assert sent == []
+        # frozen for 6 s, then resumed: one long attempt, answered in the end
+        os.kill(ckptd.pid, signal.SIGSTOP)
+        resume = threading.Timer(6.0, os.kill, (ckptd.pid, signal.SIGCONT))
+        resume.start()
+        t0 = time.monotonic()
+        try:
+            assert "memory" in backend._call({"op": "status"}, timeout_s=30.0)
+        finally:
+            resume.join()
+        t1 = time.monotonic()
+        assert t1 - t0 >= 5.0 and len(sent) >= 3, (t1 - t0, sent)
+        assert _largest_gap(t0, sent, t1) < IN_TRAINGUARD_S / 2, [x - t0 for x in sent]
+        # killed and not back: every connect fails at once for the whole wait
+        ckptd.kill()
+        ckptd.wait(timeout=10)
+        sent.clear()
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError, match="unreachable"):
+            backend._call({"op": "status"}, reconnect_s=6.0)
+        t1 = time.monotonic()
+        assert len(sent) >= 3, sent
+        assert _largest_gap(t0, sent, t1) < IN_TRAINGUARD_S / 2, [x - t0 for x in sent]
+    finally:
+        backend.close()
 
 
 def test_a_snapshot_whose_writer_died_before_telling_ckptd_is_taken_in_after_the_workers_exit(

@@ -114,8 +114,8 @@ class Worker:
 # (an evaluation loop of short forwards and sleeps uses ~0.05%–1%); one blocked in a
 # collective or a lock, or sleeping in a loop, uses ~0.001%.
 WORKING_CPU_SHARE = 1e-4
-# A rank that sent a keep-alive this recently is waiting inside trainguard (its calls send
-# one at least every 3 s: _Remote.ATTEMPT_S).
+# A rank that sent a keep-alive this recently is waiting inside trainguard (it sends one every
+# second while a call to its ckptd is in flight: checkpoint/backend.KEEPALIVE_S).
 IN_TRAINGUARD_S = 10.0
 
 

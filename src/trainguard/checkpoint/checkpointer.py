@@ -22,15 +22,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
-import hashlib
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +48,8 @@ from trainguard.checkpoint.api import (
     CheckpointNotFoundError,
     CheckpointReadError,
 )
-from trainguard.checkpoint.ckptd import CkptdClient
-from trainguard.checkpoint.persister import WRITE_ERRORS, Persister
+from trainguard.checkpoint.backend import CkptdBackend, LocalBackend
+from trainguard.checkpoint.persister import WRITE_ERRORS
 from trainguard.checkpoint.reader import CorruptFileError, VerifyingReader
 from trainguard.faults import sdc
 from trainguard.runtime import api as rt_api
@@ -59,7 +57,6 @@ from trainguard.runtime.core import init as runtime_init
 
 SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
 DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
-VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
 
 
 def _say(line: str) -> None:
@@ -90,139 +87,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-class _Local:
-    """Persister in this process, slots owned (and unlinked on close) by this process."""
-
-    def __init__(self, root: Path, shm_dir: Path, keep: int) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.persister = Persister(
-            root, keep=keep, emit=lambda kind, **d: self.events.append((kind, d))
-        )
-        self.job = "local" + hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
-        self.node = socket.gethostname().split(".")[0] or "host"
-        self.shm_dir = shm_dir
-        self.paths: list[Path] = []
-
-    def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
-        paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
-        for p in paths:
-            snapshot.create_slot(p, nbytes)
-        self.paths = list(paths)
-        return paths
-
-    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
-        self.persister.staged(rank, slot, step, gen, durable)
-
-    def wait_durable(self, step: int, timeout_s: float) -> bool:
-        if self.persister.wait_durable(step, timeout_s):
-            return True
-        failed = self.persister.failure(step)
-        if failed:
-            raise CheckpointError(f"step {step} cannot become durable: {failed}")
-        return False
-
-    def forget(self, slot: Path) -> None:
-        self.persister.forget(slot)
-
-    def close(self) -> None:
-        self.persister.close()
-        for p in self.paths:
-            p.unlink(missing_ok=True)
-            snapshot.sums_path(p).unlink(missing_ok=True)
-
-
-class _Remote:
-    """The node's ckptd (under ``trainguard run``). If ckptd dies or freezes, the agent
-    restarts it (a frozen one after its liveness deadline, 15 s): each call reconnects and
-    retries for up to ``RECONNECT_S`` before giving up, telling the agent it is waiting on
-    trainguard (``keepalive``) so that the wait is never taken for a hang."""
-
-    RECONNECT_S = 45.0
-    ATTEMPT_S = 3.0  # one attempt's deadline for quick calls (a frozen ckptd answers none)
-
-    def __init__(self, name: str, keepalive: Callable[[], None] = lambda: None) -> None:
-        self.name = name
-        self.client: CkptdClient | None = None
-        self.keepalive = keepalive
-
-    def _call(
-        self, req: dict[str, Any], timeout_s: float = ATTEMPT_S, reconnect_s: float = RECONNECT_S
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + reconnect_s
-        while True:
-            try:
-                if self.client is None:
-                    self.client = CkptdClient(self.name)
-                self.keepalive()
-                return self.client.call(req, timeout_s=timeout_s)
-            except (OSError, CheckpointError) as e:
-                if isinstance(e, CheckpointError) and "closed the connection" not in str(e):
-                    raise  # ckptd answered with an error: retrying would not help
-                if self.client is not None:
-                    self.client.close()
-                    self.client = None
-                if time.monotonic() >= deadline:
-                    raise CheckpointError(
-                        f"the node's ckptd is unreachable ({e}); is the agent alive?"
-                    ) from e
-                time.sleep(0.1)
-
-    def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
-        reply = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)
-        return tuple(Path(p) for p in reply["slots"])
-
-    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
-        self._call(
-            {
-                "op": "staged",
-                "rank": rank,
-                "slot": str(slot),
-                "step": step,
-                "generation": gen,
-                "durable": durable,
-            }
-        )
-
-    def wait_durable(self, step: int, timeout_s: float) -> bool:
-        req = {"op": "wait_durable", "step": step, "timeout_s": timeout_s}
-        reply = self._call(req, timeout_s=timeout_s + 10.0)
-        if reply.get("failed"):
-            raise CheckpointError(f"step {step} cannot become durable: {reply['failed']}")
-        return bool(reply["durable"])
-
-    def forget(self, slot: Path) -> None:
-        """Best effort: a ckptd that is down re-verifies slots when it restarts anyway."""
-        with contextlib.suppress(CheckpointError):
-            self._call({"op": "forget", "slot": str(slot)}, reconnect_s=5.0)
-
-    def fetch(self, rank: int, step: int, gen: int, source: str) -> None:
-        """Have ckptd pull this rank's replica of (step, gen) from the peer at ``source`` into
-        this node's slot. Raises CheckpointError (peer unreachable, no such replica, corrupt)."""
-        req = {"op": "fetch", "rank": rank, "step": step, "generation": gen, "source": source}
-        self._call(req, timeout_s=VERIFY_WAIT_S)
-
-    def verify(self, rank: int, step: int, gen: int, for_generation: int) -> dict[str, Any] | None:
-        """ckptd's verdict on the rank's snapshot of (step, gen) for this restart; None when
-        ckptd is unreachable for 5 s (the caller then checksums the slot itself)."""
-        req = {
-            "op": "verify",
-            "rank": rank,
-            "step": step,
-            "generation": gen,
-            "for_generation": for_generation,
-        }
-        try:
-            return self._call(req, timeout_s=VERIFY_WAIT_S, reconnect_s=5.0)
-        except CheckpointError as e:
-            if "unreachable" not in str(e):
-                raise
-            return None
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
 
 
 class Checkpointer:
@@ -271,7 +135,7 @@ class Checkpointer:
             memory_tier = env.get(rt_api.ENV_MEMORY_TIER, "1") != "0"
         self.memory_tier = memory_tier
         self._rt = runtime_init()
-        self._backend: _Local | _Remote | None = None
+        self._backend: LocalBackend | CkptdBackend | None = None
         self._slots: list[snapshot.Slot] = []
         self._layout: snapshot.Layout | None = None
         self._written: dict[Path, dict[str, Any]] = {}  # slot → meta this process committed
@@ -472,7 +336,7 @@ class Checkpointer:
         """Block until the last background copy is in memory and the persister knows of it.
         Re-raises its error, if any."""
         if self._copy is not None:
-            self._copy.join(timeout=SLOT_WAIT_S + _Remote.RECONNECT_S)
+            self._copy.join(timeout=SLOT_WAIT_S + CkptdBackend.RECONNECT_S)
             if self._copy.is_alive():
                 raise CheckpointError("staging the snapshot did not finish; is ckptd alive?")
             self._copy = None
@@ -506,17 +370,19 @@ class Checkpointer:
             self._device_hold = None
             stager.hold(event)
 
-    def _connect(self) -> _Local | _Remote:
+    def _connect(self) -> LocalBackend | CkptdBackend:
         if self._backend is None:
             name = os.environ.get(rt_api.ENV_CKPTD)
             shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
             self._backend = (
-                _Remote(name, self._rt.keepalive) if name else _Local(self.root, shm, self.keep)
+                CkptdBackend(name, self._rt.keepalive)
+                if name
+                else LocalBackend(self.root, shm, self.keep)
             )
         return self._backend
 
     def _allocate(
-        self, backend: _Local | _Remote, rank: int, flat: state_mod.Flat, nblob: int
+        self, backend: LocalBackend | CkptdBackend, rank: int, flat: state_mod.Flat, nblob: int
     ) -> None:
         """Plan the slots' layout for this state (tensor places, and a header reserve that
         holds its static part) and have the backend create them."""
@@ -824,7 +690,7 @@ class Checkpointer:
         shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
         backend = self._connect()
         source = os.environ.get(rt_api.ENV_REPLICA_SOURCE, "")
-        if source and isinstance(backend, _Remote):  # our node is new: the copy is on a peer
+        if source and isinstance(backend, CkptdBackend):  # our node is new: the copy is on a peer
             have = [snapshot.peek_header(p) for p in snapshot.slot_paths(shm, name_job, node, rank)]
             if not any(h and (h["step"], h["generation"]) == (step, gen) for h in have):
                 try:
@@ -834,7 +700,9 @@ class Checkpointer:
                     return False
                 self._tier = "replica"
         verified: str | None = None  # the slot's name
-        if isinstance(backend, _Remote):  # ckptd checks the slot (usually done during the restart)
+        if isinstance(
+            backend, CkptdBackend
+        ):  # ckptd checks the slot (usually done during the restart)
             reply = backend.verify(rank, step, gen, self._rt.generation)
             if reply is None:
                 pass  # ckptd is down: checksum the slot here, against the sums of its staging
@@ -947,6 +815,6 @@ class Checkpointer:
             backend, self._backend = self._backend, None
             if backend is not None:
                 backend.close()
-            if isinstance(backend, _Local):
+            if isinstance(backend, LocalBackend):
                 for kind, data in backend.events:
                     self._rt.event(kind, **data)

@@ -1,0 +1,207 @@
+"""Where a Checkpointer's snapshots go: its node's ckptd (``CkptdBackend``, under
+``trainguard run``) or a persister in the process itself (``LocalBackend``: plain python,
+torchrun)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint import snapshot
+from trainguard.checkpoint.api import CheckpointError
+from trainguard.checkpoint.ckptd import CkptdClient
+from trainguard.checkpoint.persister import Persister
+
+VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
+# While a call to ckptd is in flight, the rank tells its agent so this often. The agent
+# takes a rank that did so in the last IN_TRAINGUARD_S (10 s, agent/workers.py) for one
+# waiting inside trainguard, not hung: a period of a tenth of that leaves room for a loaded
+# machine's scheduling delays.
+KEEPALIVE_S = 1.0
+
+
+class LocalBackend:
+    """Persister in this process, slots owned (and unlinked on close) by this process."""
+
+    def __init__(self, root: Path, shm_dir: Path, keep: int) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.persister = Persister(
+            root, keep=keep, emit=lambda kind, **d: self.events.append((kind, d))
+        )
+        self.job = "local" + hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
+        self.node = socket.gethostname().split(".")[0] or "host"
+        self.shm_dir = shm_dir
+        self.paths: list[Path] = []
+
+    def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
+        paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
+        for p in paths:
+            snapshot.create_slot(p, nbytes)
+        self.paths = list(paths)
+        return paths
+
+    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
+        self.persister.staged(rank, slot, step, gen, durable)
+
+    def wait_durable(self, step: int, timeout_s: float) -> bool:
+        if self.persister.wait_durable(step, timeout_s):
+            return True
+        failed = self.persister.failure(step)
+        if failed:
+            raise CheckpointError(f"step {step} cannot become durable: {failed}")
+        return False
+
+    def forget(self, slot: Path) -> None:
+        self.persister.forget(slot)
+
+    def close(self) -> None:
+        self.persister.close()
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+            snapshot.sums_path(p).unlink(missing_ok=True)
+
+
+class CkptdBackend:
+    """The node's ckptd (under ``trainguard run``). If ckptd dies or freezes, the agent
+    restarts it (a frozen one after its liveness deadline, 15 s): each call reconnects and
+    retries for up to ``RECONNECT_S`` before giving up. For as long as a call has been in
+    flight ``KEEPALIVE_S`` or more, whatever it waits in (a reply, a connect, the gap while ckptd
+    is down and restarting), a thread of its own tells the agent the rank waits inside
+    trainguard (``keepalive``), so that neither this rank nor the peers it holds up in a
+    collective are taken for hung. Quick calls send none."""
+
+    RECONNECT_S = 45.0
+    ATTEMPT_S = 3.0  # one attempt's deadline for quick calls (a frozen ckptd answers none)
+
+    def __init__(self, name: str, keepalive: Callable[[], None] = lambda: None) -> None:
+        self.name = name
+        self.client: CkptdClient | None = None
+        self.keepalive = keepalive
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since: float | None = None  # monotonic start of the oldest call in flight
+        self._busy = threading.Event()
+        self._closed = False
+        self._ticker: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        with self._lock:
+            self._in_flight += 1
+            if self._in_flight == 1:
+                self._since = time.monotonic()
+                self._busy.set()
+            if self._ticker is None:
+                self._ticker = threading.Thread(
+                    target=self._tick, name="trainguard-ckptd-keepalive", daemon=True
+                )
+                self._ticker.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._since = None
+                    self._busy.clear()
+
+    def _tick(self) -> None:
+        while not self._closed:
+            if not self._busy.wait(60.0):
+                continue
+            time.sleep(KEEPALIVE_S / 4)
+            with self._lock:
+                since = self._since
+            if since is not None and time.monotonic() - since >= KEEPALIVE_S:
+                self.keepalive()
+                time.sleep(KEEPALIVE_S * 3 / 4)
+
+    def _call(
+        self, req: dict[str, Any], timeout_s: float = ATTEMPT_S, reconnect_s: float = RECONNECT_S
+    ) -> dict[str, Any]:
+        with self._waiting():
+            return self._attempts(req, timeout_s, reconnect_s)
+
+    def _attempts(
+        self, req: dict[str, Any], timeout_s: float, reconnect_s: float
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + reconnect_s
+        while True:
+            try:
+                if self.client is None:
+                    self.client = CkptdClient(self.name, timeout_s=self.ATTEMPT_S)
+                return self.client.call(req, timeout_s=timeout_s)
+            except (OSError, CheckpointError) as e:
+                if isinstance(e, CheckpointError) and "closed the connection" not in str(e):
+                    raise  # ckptd answered with an error: retrying would not help
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"the node's ckptd is unreachable ({e}); is the agent alive?"
+                    ) from e
+                time.sleep(0.1)
+
+    def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
+        reply = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)
+        return tuple(Path(p) for p in reply["slots"])
+
+    def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
+        self._call(
+            {
+                "op": "staged",
+                "rank": rank,
+                "slot": str(slot),
+                "step": step,
+                "generation": gen,
+                "durable": durable,
+            }
+        )
+
+    def wait_durable(self, step: int, timeout_s: float) -> bool:
+        req = {"op": "wait_durable", "step": step, "timeout_s": timeout_s}
+        reply = self._call(req, timeout_s=timeout_s + 10.0)
+        if reply.get("failed"):
+            raise CheckpointError(f"step {step} cannot become durable: {reply['failed']}")
+        return bool(reply["durable"])
+
+    def forget(self, slot: Path) -> None:
+        """Best effort: a ckptd that is down re-verifies slots when it restarts anyway."""
+        with contextlib.suppress(CheckpointError):
+            self._call({"op": "forget", "slot": str(slot)}, reconnect_s=5.0)
+
+    def fetch(self, rank: int, step: int, gen: int, source: str) -> None:
+        """Have ckptd pull this rank's replica of (step, gen) from the peer at ``source`` into
+        this node's slot. Raises CheckpointError (peer unreachable, no such replica, corrupt)."""
+        req = {"op": "fetch", "rank": rank, "step": step, "generation": gen, "source": source}
+        self._call(req, timeout_s=VERIFY_WAIT_S)
+
+    def verify(self, rank: int, step: int, gen: int, for_generation: int) -> dict[str, Any] | None:
+        """ckptd's verdict on the rank's snapshot of (step, gen) for this restart; None when
+        ckptd is unreachable for 5 s (the caller then checksums the slot itself)."""
+        req = {
+            "op": "verify",
+            "rank": rank,
+            "step": step,
+            "generation": gen,
+            "for_generation": for_generation,
+        }
+        try:
+            return self._call(req, timeout_s=VERIFY_WAIT_S, reconnect_s=5.0)
+        except CheckpointError as e:
+            if "unreachable" not in str(e):
+                raise
+            return None
+
+    def close(self) -> None:
+        self._closed = True
+        self._busy.set()  # the ticker sees ``_closed`` and ends
+        if self.client is not None:
+            self.client.close()
