@@ -11,7 +11,8 @@ any endpoint given with ``--endpoint``), this measures:
 - restore into live tensors: ``Archive.fetch`` into an empty local directory (chunks read
   ``--concurrency`` at once, each checked) then ``dcp.load`` from it, vs ``dcp.load``
   straight from S3 through DCP's own ``FsspecReader`` (no checksums); memcpy as the floor;
-- restore of a standby's prefetched copy (in /dev/shm), verified while read, against memcpy;
+- restore of a standby's prefetched copy (in /dev/shm) against memcpy: after its agent checked
+  it whole for the restart (the check timed apart), and checked while read;
 - compression on the GPT example's real state (model, AdamW moments after a few steps of
   training, fp32 and bf16): stored/raw ratio and single-core throughput of each codec mode.
 
@@ -106,11 +107,13 @@ def incremental(
     }
 
 
-def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -> float:
-    """A standby's restore of the step it prefetched (``prefetch.copy_step`` into /dev/shm):
-    the manifest and sizes checked, every file read once with its CRC-32C, into the live
-    tensors (the rank's path in ``Checkpointer.load``). Median seconds."""
-    from trainguard.checkpoint.prefetch import copy_step
+def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -> dict[str, float]:
+    """A standby's restore of the step it prefetched (``prefetch.copy_step`` into /dev/shm),
+    the rank's path in ``Checkpointer.load``: ``restore_s`` after its agent checked the copy
+    whole for this restart (``prefetch.verify_for_restart``, ``check_s``, which runs while the
+    workers start), read without checksums; ``checked_while_read_s`` when the rank got there
+    first and checks each file's CRC-32C as it reads. Medians, seconds."""
+    from trainguard.checkpoint.prefetch import copy_step, verify_for_restart
 
     dest = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="tg-bench-prefetch-"))
     try:
@@ -121,14 +124,18 @@ def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -
         }  # live tensors: written (model init)
         os.environ[rt_api.ENV_PREFETCH_DIR] = str(dest)
         gen = storage.committed_generation(dest, 1)
+        restart = ck._rt.generation
 
-        def load() -> None:  # the rank's path: Checkpointer.load's prefetched tier
-            assert ck._load_prefetched(target, 0, 1, gen), "the prefetched copy was not read"
+        def load(how: str) -> None:  # the rank's path: Checkpointer.load's prefetched tier
+            assert ck._load_prefetched(target, 0, 1, gen) == how, "not read as planned"
 
-        took = median_s(load, repeats)
+        (dest / "verified.json").unlink(missing_ok=True)
+        while_read = median_s(lambda: load("while read"), repeats)
+        check = median_s(lambda: verify_for_restart(dest, restart), repeats)
+        restore = median_s(lambda: load("at the restart"), repeats)
         ck.close()
         assert all(torch.equal(target[k], live[k]) for k in live), "prefetched restore differs"
-        return took
+        return {"restore_s": restore, "check_s": check, "checked_while_read_s": while_read}
     finally:
         shutil.rmtree(dest, ignore_errors=True)
 
@@ -244,8 +251,13 @@ def measure(
                 "restore_vs_memcpy": round(restore_ours / memcpy, 1),
             },
             "restore_mb_per_s": round(nbytes / 1e6 / restore_ours, 1),
-            "prefetched_restore_s": round(pre, 4),
-            "prefetched_restore_vs_memcpy": round(pre / memcpy, 2),
+            "prefetched_restore_s": round(pre["restore_s"], 4),
+            "prefetched_restore_vs_memcpy": round(pre["restore_s"] / memcpy, 2),
+            "prefetch_check_at_restart_s": round(pre["check_s"], 4),
+            "prefetched_restore_checked_while_read_s": round(pre["checked_while_read_s"], 4),
+            "prefetched_restore_checked_while_read_vs_memcpy": round(
+                pre["checked_while_read_s"] / memcpy, 2
+            ),
             "incremental": inc,
         }
     finally:
@@ -277,7 +289,10 @@ def main() -> None:
         print(f"  {what:8s} " + "  ".join(f"{k} {v:.3f}s" for k, v in row.items()))
     print("  ratios  " + "  ".join(f"{k} {v}" for k, v in out["ratios"].items()))
     print(f"  restore of a standby's prefetched copy {out['prefetched_restore_s']:.3f}s, "
-          f"{out['prefetched_restore_vs_memcpy']}x memcpy")  # fmt: skip
+          f"{out['prefetched_restore_vs_memcpy']}x memcpy (its agent checked it at the restart "
+          f"in {out['prefetch_check_at_restart_s']:.3f}s); checked while read "
+          f"{out['prefetched_restore_checked_while_read_s']:.3f}s, "
+          f"{out['prefetched_restore_checked_while_read_vs_memcpy']}x")  # fmt: skip
     inc = out["incremental"]
     print(f"  incremental ({inc['changed']:.0%} changed): bytes {inc['bytes']}, "
           f"seconds {inc['seconds']}, ratios {inc['ratios']}")  # fmt: skip

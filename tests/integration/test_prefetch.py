@@ -29,7 +29,15 @@ from tests.conftest import (
 )
 from trainguard.checkpoint import storage
 from trainguard.checkpoint.checkpointer import Checkpointer
-from trainguard.checkpoint.prefetch import copy_step, present
+from trainguard.checkpoint.prefetch import (
+    VERIFIED,
+    Prefetcher,
+    copy_step,
+    present,
+    verified,
+    verify_for_restart,
+)
+from trainguard.runtime import api as rt_api
 
 
 def test_a_copy_is_verified_committed_and_only_the_newest_kept(tmp_path: Path) -> None:
@@ -51,6 +59,51 @@ def test_a_copy_is_verified_committed_and_only_the_newest_kept(tmp_path: Path) -
     with pytest.raises(ValueError, match="does not match its manifest"):
         copy_step(src, dest, 1)
     assert storage.list_committed(dest) == [] and not list(dest.glob(".tmp-*"))
+
+
+def test_a_copy_checked_at_the_restart_is_read_unchecked_and_a_changed_one_never(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The standby's agent checks its copy whole when the node takes a rank (memory may have
+    changed since the copy); a rank that finds that check, for its own restart, reads the
+    copy without checksums. A copy that changed after it was copied is caught by either
+    check: the agent's removes it, the rank's (no record of a check) reads the durable tier."""
+    src, dest = tmp_path / "durable", tmp_path / "shm" / "prefetch"
+    ck = Checkpointer(src, durable_every=1, keep=3)
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(3)}
+    ck.save(1, state)
+    ck.close()
+    gen = storage.committed_generation(src, 1)
+    monkeypatch.setenv(rt_api.ENV_PREFETCH_DIR, str(dest))
+    seen: list[tuple[str, dict[str, Any]]] = []
+    fetcher = Prefetcher(lambda kind, **d: seen.append((kind, d)))
+    try:
+        fetcher.follow(src, dest)
+        wait_for(lambda: present(str(dest), 1, gen), 30, "the copy")
+        reader = Checkpointer(tmp_path / "elsewhere", durable_every=0, memory_tier=False)
+        restart = reader._rt.generation
+        assert not verified(dest, 1, gen, restart)
+        fetcher.pause(restart)  # the node took a rank of generation ``restart``
+        wait_for(lambda: verified(dest, 1, gen, restart), 30, "the check at the restart")
+        assert not verified(dest, 1, gen, restart + 1)  # another restart: not checked for it
+        fetcher.pause(restart)  # every reconcile says so again: one check per restart
+    finally:
+        fetcher.close(remove=False)
+    kinds = [k for k, _ in seen]
+    assert kinds == ["standby_prefetched", "standby_prefetch_verified"], seen
+    live = {"w": torch.zeros(1 << 20), "b": torch.zeros(3)}
+    assert reader._load_prefetched(live, 0, 1, gen) == "at the restart"
+    assert all(torch.equal(live[k], state[k]) for k in state)
+    # a bit flips in the copy after the agent's check: without it the rank's own catches it
+    data = next(p for p in storage.step_dir(dest, 1).rglob("*.distcp"))
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 1
+    data.write_bytes(bytes(blob))
+    (dest / VERIFIED).unlink()
+    assert reader._load_prefetched(live, 0, 1, gen) is None  # the caller reads the durable tier
+    found = verify_for_restart(dest, restart)  # the agent's check removes such a copy
+    assert found is not None and "checksum mismatch" in found[1][0], found
+    assert present(str(dest), 1, gen) is None and not verified(dest, 1, gen, restart)
 
 
 @pytest.mark.slow  # two runs of the example (CI's slow run)
@@ -99,6 +152,8 @@ def test_a_standby_that_replaces_a_lost_node_restores_from_its_prefetched_copy(
     ]
     tiers = {e["rank"]: (e["tier"], e["step"]) for e in loads}
     assert tiers.get(1) == ("prefetched", step), loads  # the standby took rank 1
+    checks = [e for e in evs if e["kind"] == "standby_prefetch_verified"]
+    assert [(e["step"], e["generation"]) for e in checks] == [(step, gens[1]["generation"])]
     assert losses(run) == reference
 
 

@@ -32,9 +32,9 @@ def _part(tmp_path: Path) -> tuple[Path, dict, dict]:
     return tmp_path / "p", {k.removeprefix("p/"): v for k, v in sums.items()}, state
 
 
-def _load(path: Path, sums: dict, like: dict, direct: bool = False) -> dict:
+def _load(path: Path, sums: dict, like: dict, direct: bool = False, checksums: bool = True) -> dict:
     out = {k: torch.zeros_like(v) for k, v in like.items()}
-    reader = VerifyingReader(path, sums, direct=direct)
+    reader = VerifyingReader(path, sums, direct=direct, checksums=checksums)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(out, storage_reader=reader, no_dist=True)
@@ -42,13 +42,19 @@ def _load(path: Path, sums: dict, like: dict, direct: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["read", "direct"])
-def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(tmp_path: Path, direct: bool) -> None:
+@pytest.mark.parametrize(
+    ("direct", "checksums"),
+    [(False, True), (True, True), (False, False), (True, False)],
+    ids=["read", "direct", "read-unchecked", "direct-unchecked"],
+)
+def test_a_part_reads_back_bit_for_bit_as_dcp_reads_it(
+    tmp_path: Path, direct: bool, checksums: bool
+) -> None:
     """Read whole (preads in flight) or direct (a prefetched copy: whole tensors read straight
-    into the live ones): records at any offset,
-    of any dtype, strided or 0-dim, come back bit for bit."""
+    into the live ones), with checksums or without (a copy checked whole just before): records
+    at any offset, of any dtype, strided or 0-dim, come back bit for bit."""
     path, sums, state = _part(tmp_path)
-    got = _load(path, sums, state, direct)
+    got = _load(path, sums, state, direct, checksums)
     plain = {k: torch.zeros_like(v) for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

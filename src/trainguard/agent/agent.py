@@ -330,7 +330,8 @@ class Agent:
                 Path(ckpt.dir), prefetch_root(ckpt.shm_dir, self.job_id, self.cfg.node_id)
             )
         else:
-            self.prefetch.pause()  # a node that took a rank keeps its copy for the restore
+            # a node that took a rank keeps its copy for the restore, checked for it
+            self.prefetch.pause(d.generation if isinstance(d, Run) else None)
         if isinstance(d, Run):
             gen = d.generation
             if self.generation is not None and self.generation != gen:

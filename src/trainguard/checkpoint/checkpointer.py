@@ -491,9 +491,14 @@ class Checkpointer:
                 )
                 _say(f"rank {rank} restored step {step} from the {self._tier} tier")
                 return step
-            if self._load_prefetched(state, rank, step, gen):
+            checked = self._load_prefetched(state, rank, step, gen)
+            if checked is not None:
                 self._rt.event(
-                    "ckpt_load_end", step=step, tier="prefetched", duration_s=time.time() - t0
+                    "ckpt_load_end",
+                    step=step,
+                    tier="prefetched",
+                    duration_s=time.time() - t0,
+                    checked=checked,
                 )
                 _say(f"rank {rank} restored step {step} from this node's prefetched copy")
                 return step
@@ -537,23 +542,28 @@ class Checkpointer:
         _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
         return step
 
-    def _load_prefetched(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
+    def _load_prefetched(self, state: dict[str, Any], rank: int, step: int, gen: int) -> str | None:
         """Restore durable ``step`` from this node's prefetched copy (a standby that took a
-        lost node's place: ``prefetch.py``) if it holds that step of generation ``gen``;
-        each file checked as read. False (an event if it was there but failed): read the
-        durable tier instead, which overwrites whatever was read."""
+        lost node's place: ``prefetch.py``) if it holds that step of generation ``gen``.
+        Returns how it was checked: ``"at the restart"`` (its agent verified it whole for
+        this generation: read without checksums) or ``"while read"`` (each file's CRC-32C as
+        it is read). None (an event if it was there but failed): read the durable tier
+        instead, which overwrites whatever was read."""
         root = prefetch.present(os.environ.get(rt_api.ENV_PREFETCH_DIR), step, gen)
         if root is None:
-            return False
+            return None
+        before = prefetch.verified(root, step, gen, self._rt.generation)
         problems, sums = storage.verify_for_load(root, step)
         if not problems:
             try:
-                self._load_durable(state, rank, step, sums, root=root, direct=True)
-                return True
+                self._load_durable(
+                    state, rank, step, sums, root=root, direct=True, checksums=not before
+                )
+                return "at the restart" if before else "while read"
             except (CheckpointCorruptError, CheckpointReadError) as e:
                 problems = [str(e)]
         self._rt.event("ckpt_corrupt", step=step, tier="prefetched", problems=problems[:4])
-        return False
+        return None
 
     def _restore_failed(
         self, rank: int, step: int, gen: int, tier: str, problems: list[str]
@@ -578,6 +588,7 @@ class Checkpointer:
         *,
         root: Path | None = None,
         direct: bool = False,
+        checksums: bool = True,
     ) -> None:
         """Read this rank's keys of durable ``step`` into ``state``. ``sums``: the step's
         manifest files: each file read is checked against them as it is read (one pass,
@@ -586,7 +597,8 @@ class Checkpointer:
         of its values: do not go on with it), CheckpointReadError when a file cannot be read
         (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
         the live state. ``direct``: whole tensors are read straight into the live ones (a
-        prefetched copy in memory; ``VerifyingReader``)."""
+        prefetched copy in memory; ``VerifyingReader``); ``checksums=False``: it was checked
+        whole just before (sizes are still checked)."""
         root = self.root if root is None else root
         path = storage.step_dir(root, step)
         try:
@@ -618,7 +630,7 @@ class Checkpointer:
                 dcp.load(
                     conv,
                     checkpoint_id=str(path),
-                    storage_reader=VerifyingReader(path, sums, direct=direct)
+                    storage_reader=VerifyingReader(path, sums, direct=direct, checksums=checksums)
                     if sums is not None
                     else None,
                     planner=state_mod.TypedLoadPlanner(),

@@ -7,12 +7,19 @@ The copy is an ordinary committed step (``storage.commit``: manifest written las
 directory renamed into place) under ``prefetch_root``; each file is CRC-32C'd as it is copied
 and checked against the step's manifest, so a torn or changed file is never committed. Only
 the newest step is kept. A worker restoring step S written by generation G reads the prefetched
-copy when it holds that very (S, G) and it verifies while being read (``Checkpointer.load``),
-else the durable tier as before.
+copy when it holds that very (S, G), else the durable tier as before.
+
+When the standby takes a rank (the restart of generation R), its agent checks the copy whole
+once more (``verify_for_restart``: memory may have changed since the copy, hours ago) while
+the workers start, and records that in ``verified.json``. A rank that finds the record for R
+reads the copy without checksums, as a memory restore reads a slot ckptd verified during the
+restart; one that does not (it got there first, or the check failed and removed the copy)
+checks each file as it reads it, or reads the durable tier.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -30,6 +37,7 @@ from trainguard.checkpoint.api import MANIFEST
 log = logging.getLogger("trainguard.prefetch")
 CHUNK = 8 << 20
 POLL_S = 0.5  # how often a standby looks for a newer durable step (one directory listing)
+VERIFIED = "verified.json"  # in the prefetch root: the restart its copy was checked for
 
 
 def prefetch_root(shm_dir: str | Path, job: str, node: str) -> Path:
@@ -78,6 +86,44 @@ def copy_step(src_root: Path, dest_root: Path, step: int) -> int:
     return total
 
 
+def verify_for_restart(root: Path, generation: int) -> tuple[int, list[str]] | None:
+    """Check the committed step under prefetch ``root`` whole against its manifest (every
+    file's CRC-32C) for the restart of ``generation``, and record it (``VERIFIED``, written
+    atomically) if it is intact; a copy that is not is removed, so ranks read the durable
+    tier. Returns (step, problems), None when there is no copy. Raises nothing: an I/O error
+    is a problem found."""
+    (root / VERIFIED).unlink(missing_ok=True)
+    steps = storage.list_committed(root)
+    if not steps:
+        return None
+    step = steps[-1]
+    try:
+        gen = storage.committed_generation(root, step)
+        problems = storage.verify(root, step)
+    except (OSError, ValueError) as e:
+        gen, problems = -1, [f"{type(e).__name__}: {e}"]
+    if problems:
+        shutil.rmtree(storage.step_dir(root, step), ignore_errors=True)
+        return step, problems
+    record = {"step": step, "generation": gen, "for_generation": generation}
+    tmp = root / f".{VERIFIED}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, root / VERIFIED)
+    return step, []
+
+
+def verified(root: Path, step: int, generation: int, for_generation: int) -> bool:
+    """Did this node's agent check the copy of (``step``, ``generation``) whole for the
+    restart of ``for_generation`` (``verify_for_restart``)?"""
+    try:
+        record = json.loads((root / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(
+        record == {"step": step, "generation": generation, "for_generation": for_generation}
+    )
+
+
 class Prefetcher:
     """A thread that, while ``follow``-ing, copies each newer committed step of the durable
     tier into this node's prefetch root; ``pause`` stops copying (the node took a rank: its
@@ -95,6 +141,8 @@ class Prefetcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failed: set[int] = set()  # steps that could not be copied (not retried)
+        self._checked_for: int | None = None  # the last generation the copy was checked for
+        self._check: int | None = None  # a check due, for this generation
 
     def follow(self, durable: Path, dest: Path) -> None:
         """Keep ``dest`` holding the newest committed step of ``durable`` (called on every
@@ -110,9 +158,17 @@ class Prefetcher:
         if changed:
             self._wake.set()
 
-    def pause(self) -> None:
+    def pause(self, for_generation: int | None = None) -> None:
+        """Stop copying (cheap: called on every reconcile). ``for_generation``: the node runs
+        ranks of that generation now; its copy is checked for that restart (once per
+        generation, on the prefetch thread: ``verify_for_restart``)."""
         with self._lock:
             self._target = None
+            if for_generation is None or for_generation == self._checked_for:
+                return
+            self._checked_for = for_generation
+            self._check = for_generation if self._dest is not None else None
+        self._wake.set()
 
     def close(self, *, remove: bool = True) -> None:
         with self._lock:
@@ -129,7 +185,10 @@ class Prefetcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                target = self._target
+                target, check, dest = self._target, self._check, self._dest
+                self._check = None
+            if check is not None and dest is not None:
+                self._verify(dest, check)
             if target is not None:
                 self._once(*target)
             self._wake.wait(POLL_S)
@@ -156,6 +215,19 @@ class Prefetcher:
         took = time.monotonic() - t0
         log.info("prefetched step %d (%.1f MB in %.2fs)", step, n / 1e6, took)
         self.emit("standby_prefetched", step=step, bytes=n, seconds=round(took, 3))
+
+    def _verify(self, dest: Path, generation: int) -> None:
+        t0 = time.monotonic()
+        found = verify_for_restart(dest, generation)
+        if found is None:
+            return
+        step, problems = found
+        took = round(time.monotonic() - t0, 3)
+        if problems:
+            reason = f"checked for the restart: {problems[0]}"
+            self.emit("standby_prefetch_failed", step=step, reason=reason)
+        else:
+            self.emit("standby_prefetch_verified", step=step, generation=generation, seconds=took)
 
 
 def present(root: str | None, step: int, generation: int) -> Path | None:

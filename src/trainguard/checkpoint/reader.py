@@ -20,6 +20,10 @@ directory, at the item's two ends, are read apart); the CRC-32C runs on another 
 file order, over the bytes where they landed, while the next item is read. No buffer is
 allocated and faulted in per item: that, and the second copy out of it, made 4 of every 5
 seconds of such a restore. Any other item is read whole as above.
+
+``checksums=False`` (a prefetched copy its agent verified whole at this restart:
+``prefetch.verify_for_restart``): sizes are checked, no checksum is computed, and only the
+bytes the rank needs are read.
 """
 
 from __future__ import annotations
@@ -62,11 +66,17 @@ class VerifyingReader(FileSystemReader):
     a file that does not match, or one the manifest does not list."""
 
     def __init__(
-        self, path: str | os.PathLike[str], sums: dict[str, dict[str, Any]], *, direct: bool = False
+        self,
+        path: str | os.PathLike[str],
+        sums: dict[str, dict[str, Any]],
+        *,
+        direct: bool = False,
+        checksums: bool = True,
     ) -> None:
         super().__init__(path)
         self.sums = sums
         self.direct = direct
+        self.checksums = checksums  # False: checked whole just before (sizes still are)
         self.bytes_read = 0
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -100,6 +110,9 @@ class VerifyingReader(FileSystemReader):
                 ranges.setdefault((int(md.offset), int(md.length)), []).append(req)
             spans = sorted(ranges)
             disjoint = all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+            if not self.checksums:
+                self._read_unchecked(pool, fd, ranges, planner)
+                return
             if self.direct and disjoint:
                 crc = self._read_direct(pool, fd, size, ranges, planner)
                 if crc != int(want["crc32c"]):
@@ -126,6 +139,27 @@ class VerifyingReader(FileSystemReader):
                 raise CorruptFileError(f"{path}: checksum mismatch")
         finally:
             os.close(fd)
+
+    def _read_unchecked(
+        self,
+        pool: ThreadPoolExecutor,
+        fd: int,
+        ranges: dict[tuple[int, int], list[ReadItem]],
+        planner: LoadPlanner,
+    ) -> None:
+        """Serve ``ranges`` without a checksum (the file was verified whole just before):
+        only the bytes this rank needs are read, whole-tensor items straight into their live
+        tensors when ``direct``."""
+        for (off, length), items in sorted(ranges.items()):
+            if not (
+                self.direct
+                and len(items) == 1
+                and self._direct_item(pool, fd, off, length, items[0], planner, _ignore)
+            ):
+                buf = _read(pool, fd, off, length)
+                for req in items:
+                    self._serve(req, buf, planner)
+            self.bytes_read += length
 
     def _read_direct(
         self,
@@ -215,6 +249,10 @@ class VerifyingReader(FileSystemReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _ignore(piece: torch.Tensor) -> None:
+    """The ``more`` of an unchecked read: no checksum is kept."""
 
 
 def _read(pool: ThreadPoolExecutor, fd: int, off: int, length: int) -> torch.Tensor:
