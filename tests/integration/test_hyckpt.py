@@ -477,6 +477,70 @@ def test_a_rank_waiting_on_its_ckptd_sends_keepalives_for_the_whole_wait(
         backend.close()
 
 
+def test_two_threads_share_the_ckptd_connection_through_ckptd_restarts(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    """A rank calls its ckptd from two threads (the stage thread's ``staged``, the training
+    thread's own calls). ckptd is SIGKILLed and restarted twice while both call without
+    pause: every call is answered, none fails (a failed call's thread once closed the
+    connection under the other's feet: "write to closed file"), and ``close`` during a call
+    leaves it to finish."""
+    from trainguard.checkpoint.api import CheckpointError
+    from trainguard.checkpoint.backend import CkptdBackend
+
+    backend = CkptdBackend(socket_name(JOB, NODE))
+    stop = threading.Event()
+    errors: list[str] = []
+    answered = [0, 0]
+
+    def hammer(i: int) -> None:
+        while not stop.is_set():
+            try:
+                assert "memory" in backend._call({"op": "status"})
+                answered[i] += 1
+            except Exception as e:  # noqa: BLE001 - any failure is the finding
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    daemon = ckptd
+    try:
+        for _ in range(2):
+            wait_for(lambda: min(answered) > 20, 30, "calls from both threads")
+            daemon.kill()
+            daemon.wait(timeout=10)
+            answered[:] = [0, 0]
+            daemon = _start_ckptd(tmp_path, shm)
+        wait_for(lambda: min(answered) > 20 or errors, 60, "calls after the restarts")
+        assert errors == [] and min(answered) > 20, (errors, answered)
+        # close() while a call waits (ckptd frozen): the call ends by its own deadline
+        os.kill(daemon.pid, signal.SIGSTOP)
+        waiting = threading.Thread(target=hammer, args=(0,))
+        stop.clear()
+        waiting.start()
+        time.sleep(0.5)
+        backend.close()
+        stop.set()
+        os.kill(daemon.pid, signal.SIGCONT)
+        waiting.join(timeout=60)
+        assert not waiting.is_alive() and errors == [], errors
+        with pytest.raises(CheckpointError, match="closed"):
+            backend._call({"op": "status"})
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        if daemon is not ckptd:  # the fixture shuts down the one it started, not this one
+            os.kill(daemon.pid, signal.SIGCONT)
+            with contextlib.suppress(OSError, ValueError):
+                c = CkptdClient(socket_name(JOB, NODE), timeout_s=5.0)
+                c.call({"op": "shutdown", "unlink": True})
+                c.close()
+            daemon.wait(timeout=30)
+
+
 def test_a_snapshot_whose_writer_died_before_telling_ckptd_is_taken_in_after_the_workers_exit(
     tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
 ) -> None:

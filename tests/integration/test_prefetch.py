@@ -5,10 +5,12 @@ no fault. The copy itself: verified while copied, never committed when a file is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,41 @@ def test_a_copy_checked_at_the_restart_is_read_unchecked_and_a_changed_one_never
     found = verify_for_restart(dest, restart)  # the agent's check removes such a copy
     assert found is not None and "checksum mismatch" in found[1][0], found
     assert present(str(dest), 1, gen) is None and not verified(dest, 1, gen, restart)
+
+
+def test_a_full_memory_fails_the_check_not_the_prefetcher(tmp_path: Path) -> None:
+    """The node's memory is full when the agent records its check of the copy (a real
+    tmpfs, filled): the check fails with an event and no record, and the prefetch thread
+    lives on: once memory is freed it copies the next durable step."""
+    src, mnt = tmp_path / "durable", tmp_path / "shm"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    seen: list[tuple[str, dict[str, Any]]] = []
+    fetcher = Prefetcher(lambda kind, **d: seen.append((kind, d)))
+    try:
+        ck = Checkpointer(src, durable_every=1, keep=3)
+        ck.save(1, {"w": torch.arange(50_000, dtype=torch.float32)})
+        gen = storage.committed_generation(src, 1)
+        dest = mnt / "prefetch"
+        fetcher.follow(src, dest)
+        wait_for(lambda: present(str(dest), 1, gen), 30, "the copy")
+        filler = mnt / "filler"
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while f.write(b"\0" * 65536):  # until ENOSPC
+                pass
+        fetcher.pause(7)
+        wait_for(lambda: len(seen) > 1, 30, "the check's outcome")
+        assert seen[1][0] == "standby_prefetch_failed", seen
+        assert "No space left" in seen[1][1]["reason"], seen
+        assert not verified(dest, 1, gen, 7)
+        filler.unlink()
+        ck.save(2, {"w": torch.arange(50_000, dtype=torch.float32) + 1})
+        ck.close()
+        fetcher.follow(src, dest)  # a standby again
+        wait_for(lambda: storage.list_committed(dest) == [2], 30, "the next step's copy")
+    finally:
+        fetcher.close(remove=True)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.slow  # two runs of the example (CI's slow run)

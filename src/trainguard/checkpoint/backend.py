@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from trainguard.checkpoint.api import CheckpointError
 from trainguard.checkpoint.ckptd import CkptdClient
 from trainguard.checkpoint.persister import Persister
 
+log = logging.getLogger("trainguard.checkpoint")
 VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
 # While a call to ckptd is in flight, the rank tells its agent so this often. The agent
 # takes a rank that did so in the last IN_TRAINGUARD_S (10 s, agent/workers.py) for one
@@ -70,33 +72,43 @@ class LocalBackend:
 class CkptdBackend:
     """The node's ckptd (under ``trainguard run``). If ckptd dies or freezes, the agent
     restarts it (a frozen one after its liveness deadline, 15 s): each call reconnects and
-    retries for up to ``RECONNECT_S`` before giving up. For as long as a call has been in
-    flight ``KEEPALIVE_S`` or more, whatever it waits in (a reply, a connect, the gap while ckptd
-    is down and restarting), a thread of its own tells the agent the rank waits inside
-    trainguard (``keepalive``), so that neither this rank nor the peers it holds up in a
-    collective are taken for hung. Quick calls send none."""
+    retries for up to ``RECONNECT_S`` before giving up. While some call has been in flight
+    ``KEEPALIVE_S`` or more, whatever it waits in (a reply, a connect, the gap while ckptd is
+    down and restarting, another thread's call on the connection), a thread of its own tells
+    the agent the rank waits inside trainguard (``keepalive``), so that neither this rank nor
+    the peers it holds up in a collective are taken for hung. Quick calls send none.
+
+    Thread-safe: calls from several threads (the stage thread's ``staged``, the training
+    thread's) take the one connection in turn. ``close`` while a call is in flight leaves
+    that call to end by its own deadline; a call after ``close`` raises CheckpointError."""
 
     RECONNECT_S = 45.0
     ATTEMPT_S = 3.0  # one attempt's deadline for quick calls (a frozen ckptd answers none)
+    # the longest one call may hold the connection: the longest attempt, then reconnecting
+    HOLD_S = VERIFY_WAIT_S + RECONNECT_S
 
     def __init__(self, name: str, keepalive: Callable[[], None] = lambda: None) -> None:
         self.name = name
         self.client: CkptdClient | None = None
         self.keepalive = keepalive
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._since: float | None = None  # monotonic start of the oldest call in flight
-        self._busy = threading.Event()
+        self._lock = threading.Lock()  # guards the fields below
+        self._calls: dict[int, float] = {}  # calls in flight: id -> monotonic start
+        self._next_call = 0
+        self._busy = threading.Event()  # set while a call is in flight (wakes the ticker)
         self._closed = False
         self._ticker: threading.Thread | None = None
+        self._conn = threading.Lock()  # held by the call using (or replacing) ``client``
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
         with self._lock:
-            self._in_flight += 1
-            if self._in_flight == 1:
-                self._since = time.monotonic()
-                self._busy.set()
+            if self._closed:
+                raise CheckpointError(
+                    "the checkpointer was closed; make a new Checkpointer to save or restore"
+                )
+            call, self._next_call = self._next_call, self._next_call + 1
+            self._calls[call] = time.monotonic()
+            self._busy.set()
             if self._ticker is None:
                 self._ticker = threading.Thread(
                     target=self._tick, name="trainguard-ckptd-keepalive", daemon=True
@@ -106,27 +118,44 @@ class CkptdBackend:
             yield
         finally:
             with self._lock:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._since = None
+                del self._calls[call]
+                last = not self._calls
+                if last and not self._closed:
                     self._busy.clear()
+                closed_now = last and self._closed
+            if closed_now:  # ``close`` came during this call: the connection goes now
+                self._drop_client()
 
     def _tick(self) -> None:
-        while not self._closed:
+        while True:
+            with self._lock:
+                if self._closed and not self._calls:
+                    return
             if not self._busy.wait(60.0):
                 continue
             time.sleep(KEEPALIVE_S / 4)
             with self._lock:
-                since = self._since
-            if since is not None and time.monotonic() - since >= KEEPALIVE_S:
-                self.keepalive()
+                oldest = min(self._calls.values(), default=None)
+            if oldest is not None and time.monotonic() - oldest >= KEEPALIVE_S:
+                try:
+                    self.keepalive()
+                except Exception:  # best effort; the next tick tries again
+                    log.debug("keep-alive failed", exc_info=True)
                 time.sleep(KEEPALIVE_S * 3 / 4)
 
     def _call(
         self, req: dict[str, Any], timeout_s: float = ATTEMPT_S, reconnect_s: float = RECONNECT_S
     ) -> dict[str, Any]:
         with self._waiting():
-            return self._attempts(req, timeout_s, reconnect_s)
+            if not self._conn.acquire(timeout=self.HOLD_S + reconnect_s):
+                raise CheckpointError(
+                    f"another call to the node's ckptd held the connection for over "
+                    f"{self.HOLD_S + reconnect_s:.0f}s; is the agent alive?"
+                )
+            try:
+                return self._attempts(req, timeout_s, reconnect_s)
+            finally:
+                self._conn.release()
 
     def _attempts(
         self, req: dict[str, Any], timeout_s: float, reconnect_s: float
@@ -148,6 +177,15 @@ class CkptdBackend:
                         f"the node's ckptd is unreachable ({e}); is the agent alive?"
                     ) from e
                 time.sleep(0.1)
+
+    def _drop_client(self) -> None:
+        if self._conn.acquire(timeout=self.HOLD_S):
+            try:
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+            finally:
+                self._conn.release()
 
     def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
         reply = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)
@@ -201,7 +239,11 @@ class CkptdBackend:
             return None
 
     def close(self) -> None:
-        self._closed = True
-        self._busy.set()  # the ticker sees ``_closed`` and ends
-        if self.client is not None:
-            self.client.close()
+        """Close the connection, now if no call is in flight, else when the last one ends
+        (by its own deadline; the ticker keeps the rank alive until then)."""
+        with self._lock:
+            self._closed = True
+            idle = not self._calls
+            self._busy.set()  # the ticker sees ``_closed`` and ends once no call is in flight
+        if idle:
+            self._drop_client()

@@ -516,8 +516,8 @@ class Checkpointer:
                     f"step {step}: {'; '.join(problems)}; the controller restarts from an "
                     "older checkpoint"
                 )
-            try:
-                self._load_durable(state, rank, step, sums)
+            try:  # whole tensors straight into the live ones, no read buffer copied out
+                self._load_durable(state, rank, step, sums, direct=True)
             except CheckpointCorruptError as e:
                 self._restore_failed(rank, step, gen, "durable", [str(e)])
                 raise CheckpointCorruptError(

@@ -91,9 +91,14 @@ def verify_for_restart(root: Path, generation: int) -> tuple[int, list[str]] | N
     file's CRC-32C) for the restart of ``generation``, and record it (``VERIFIED``, written
     atomically) if it is intact; a copy that is not is removed, so ranks read the durable
     tier. Returns (step, problems), None when there is no copy. Raises nothing: an I/O error
-    is a problem found."""
-    (root / VERIFIED).unlink(missing_ok=True)
-    steps = storage.list_committed(root)
+    (memory full while recording, say) is a problem found, and no record is left."""
+    record_path = root / VERIFIED
+    try:
+        record_path.unlink(missing_ok=True)
+        steps = storage.list_committed(root)
+    except OSError as e:
+        log.warning("prefetched copy in %s: %s", root, e)
+        return None
     if not steps:
         return None
     step = steps[-1]
@@ -107,8 +112,12 @@ def verify_for_restart(root: Path, generation: int) -> tuple[int, list[str]] | N
         return step, problems
     record = {"step": step, "generation": gen, "for_generation": generation}
     tmp = root / f".{VERIFIED}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, root / VERIFIED)
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, record_path)
+    except OSError as e:  # the copy is fine; ranks check it as they read it
+        tmp.unlink(missing_ok=True)
+        return step, [f"recording the check failed: {type(e).__name__}: {e}"]
     return step, []
 
 
@@ -143,6 +152,7 @@ class Prefetcher:
         self._failed: set[int] = set()  # steps that could not be copied (not retried)
         self._checked_for: int | None = None  # the last generation the copy was checked for
         self._check: int | None = None  # a check due, for this generation
+        self._last_error: str | None = None
 
     def follow(self, durable: Path, dest: Path) -> None:
         """Keep ``dest`` holding the newest committed step of ``durable`` (called on every
@@ -187,10 +197,17 @@ class Prefetcher:
             with self._lock:
                 target, check, dest = self._target, self._check, self._dest
                 self._check = None
-            if check is not None and dest is not None:
-                self._verify(dest, check)
-            if target is not None:
-                self._once(*target)
+            try:  # the thread outlives any one failure (the next poll tries again)
+                if check is not None and dest is not None:
+                    self._verify(dest, check)
+                if target is not None:
+                    self._once(*target)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+                if reason != self._last_error:  # said once, not every poll
+                    log.exception("prefetch: %s", e)
+                    self.emit("standby_prefetch_failed", step=None, reason=reason)
+                self._last_error = reason
             self._wake.wait(POLL_S)
             self._wake.clear()
 
