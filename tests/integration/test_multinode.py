@@ -35,7 +35,13 @@ from tests.conftest import (
 from tests.conftest import events as read_events
 from trainguard.faults.netns import Hosts
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+    pytest.mark.timeout(600),
+]
+# From a job's start to its first steps: a controller, three agents and their spares start
+# together (a torch import each); on a loaded 2-core machine that took over 120 s.
+START_S = 240
 STEPS = 60
 # Steps of ~0.1 s (a sleep on rank 0; losses are unchanged): long enough that the faults
 # land mid-run and that peer replicas keep up with training, as with real step times.
@@ -169,7 +175,7 @@ def test_host_sigkill_is_replaced_by_the_standby(job: Job, reference: dict[int, 
     job.start_controller()
     job.start_agents()
     victim = job.host_of_rank(0)  # the host of the rendezvous store, the hardest to lose
-    wait_for(lambda: reached_step(job.run_dir, 15), 120, "step 15")
+    wait_for(lambda: reached_step(job.run_dir, 15), START_S, "step 15")
     # The host hangs first (its workers frozen), then dies. A replica trails its source by
     # one push; frozen, the host's newest snapshot reaches its peer. (Killed mid-push with
     # steps this short, the replica can be two steps behind the survivor's two memory slots,
@@ -198,7 +204,7 @@ def test_cut_link_is_replaced_by_the_standby(job: Job, reference: dict[int, floa
     job.start_controller()
     job.start_agents()
     victim = job.host_of_rank(1)
-    wait_for(lambda: reached_step(job.run_dir, 15), 120, "step 15")
+    wait_for(lambda: reached_step(job.run_dir, 15), START_S, "step 15")
     job.hosts.cut(victim)
     wait_for(
         lambda: any(e["kind"] == "generation_started" and e["generation"] == 1
@@ -231,7 +237,7 @@ def test_controller_sigkill_and_restart_keeps_the_workers(
     assert job.config != FAST_CONFIG
     job.start_controller()
     job.start_agents()
-    wait_for(lambda: reached_step(job.run_dir, 10), 120, "step 10")
+    wait_for(lambda: reached_step(job.run_dir, 10), START_S, "step 10")
     assert job.controller is not None
     job.controller.send_signal(signal.SIGKILL)
     job.controller.wait(timeout=10)
@@ -253,7 +259,7 @@ def test_controller_outage_longer_than_the_node_timeout(
     restarted controller sees it and restarts the job from the memory tier."""
     job.start_controller()
     job.start_agents()
-    wait_for(lambda: reached_step(job.run_dir, 10), 120, "step 10")
+    wait_for(lambda: reached_step(job.run_dir, 10), START_S, "step 10")
     assert job.controller is not None
     job.controller.send_signal(signal.SIGKILL)
     job.controller.wait(timeout=10)
@@ -361,7 +367,7 @@ def test_elastic_shrinks_on_node_loss_and_grows_back(hosts: Hosts, tmp_path: Pat
             ARGS = saved
         job.start_agents()
         victim = job.host_of_rank(1)
-        wait_for(lambda: reached_step(run_dir, 15), 120, "step 15")
+        wait_for(lambda: reached_step(run_dir, 15), START_S, "step 15")
         job.hosts.kill_all(victim)
         _lose_memory(run_dir, f"h{victim}")
         job.agents[victim].wait(timeout=30)

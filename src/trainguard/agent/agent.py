@@ -40,7 +40,7 @@ from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
 from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
 from trainguard.agent.probe import GemmProbe
-from trainguard.checkpoint import ckptd as ckptd_mod
+from trainguard.checkpoint import ckptd_client as ckptd_mod
 from trainguard.checkpoint.prefetch import Prefetcher, prefetch_root
 from trainguard.health.host import host_health
 from trainguard.health.signals import SignalReader

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint import ckptd as ckptd_mod
+from trainguard.checkpoint import ckptd_client as ckptd_mod
 from trainguard.protocol import CkptConf, Desired, Run, Stop
 
 log = logging.getLogger("trainguard.agent")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from trainguard.checkpoint import ckptd as ckptd_mod
+from trainguard.checkpoint import ckptd_client as ckptd_mod
 from trainguard.checkpoint.prefetch import prefetch_root
 from trainguard.protocol import Run
 from trainguard.runtime import api as rt_api

@@ -16,7 +16,7 @@ from typing import Any
 
 from trainguard.checkpoint import snapshot
 from trainguard.checkpoint.api import CheckpointError
-from trainguard.checkpoint.ckptd import CkptdClient
+from trainguard.checkpoint.ckptd_client import CkptdClient
 from trainguard.checkpoint.persister import Persister
 
 log = logging.getLogger("trainguard.checkpoint")

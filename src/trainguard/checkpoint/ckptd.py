@@ -38,31 +38,20 @@ import os
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint import replica, snapshot
 from trainguard.checkpoint.api import CheckpointError
+from trainguard.checkpoint.ckptd_client import CkptdClient, address, socket_name, spawn
 
 __all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name", "spawn"]
 from trainguard.checkpoint.persister import Persister
 
 log = logging.getLogger("trainguard.ckptd")
-
-
-def socket_name(job: str, node: str) -> str:
-    """The daemon's socket as ``@name`` (printable, fits in an environment variable)."""
-    return f"@trainguard-ckptd-{job}-{node}"
-
-
-def _address(name: str) -> str:
-    """``@name`` → Linux abstract-namespace address (leading NUL)."""
-    return "\0" + name[1:] if name.startswith("@") else name
 
 
 class Ckptd:
@@ -98,7 +87,7 @@ class Ckptd:
         # (rank, step, generation, for_generation) → the verification, run once
         self._verifications: dict[tuple[int, int, int, int], _Verification] = {}
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(_address(socket_name(job, node)))
+        self.sock.bind(address(socket_name(job, node)))
         self.sock.listen(64)
         self.sock.settimeout(0.2)
         adopted: dict[str, list[str]] = {}
@@ -274,93 +263,6 @@ class _Verification:
             if self._result is None:
                 self._result = compute()
             return self._result
-
-
-def spawn(
-    *,
-    job: str,
-    node: str,
-    ckpt_dir: Path,
-    shm_dir: Path,
-    keep: int,
-    log: Path,
-    env: dict[str, str] | None = None,
-    timeout_s: float = 30.0,
-    replica_bind: str | None = None,
-    idle: Callable[[], None] = lambda: None,
-) -> subprocess.Popen[bytes]:
-    """Start a ckptd process and wait (``timeout_s``) until it accepts connections, calling
-    ``idle`` while it waits (the agent keeps reading its workers' reports meanwhile).
-
-    Raises CheckpointError, naming its log, if it exits or does not listen in time (it is
-    killed then).
-    """
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainguard.checkpoint.ckptd",
-                "--job",
-                job,
-                "--node",
-                node,
-                "--ckpt-dir",
-                str(ckpt_dir),
-                "--shm-dir",
-                str(shm_dir),
-                "--keep",
-                str(keep),
-                *(["--replica-bind", replica_bind] if replica_bind else []),
-            ],
-            stdout=f,
-            stderr=f,
-            env=env,
-        )
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            CkptdClient(socket_name(job, node), timeout_s=1.0).close()
-            return proc
-        except OSError:
-            idle()
-            time.sleep(0.02)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=5.0)
-    raise CheckpointError(f"ckptd for {node} did not start; see {log}")
-
-
-class CkptdClient:
-    """A connection to the node's ckptd. Every call has a deadline (``timeout_s``)."""
-
-    def __init__(self, name: str, *, timeout_s: float = 10.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout_s)
-        self.sock.connect(_address(name))
-        self.f = self.sock.makefile("rwb")
-        self._lock = threading.Lock()
-
-    def call(self, req: dict[str, Any], *, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Send one request, wait for its reply. Raises CheckpointError on an error reply or
-        a dead daemon, OSError/TimeoutError past the deadline."""
-        with self._lock:
-            self.sock.settimeout(timeout_s)
-            self.f.write(json.dumps(req).encode() + b"\n")
-            self.f.flush()
-            line = self.f.readline()
-        if not line:
-            raise CheckpointError("ckptd closed the connection (it died or is restarting)")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise CheckpointError(reply["error"])
-        return reply
-
-    def close(self) -> None:
-        """Close the connection; a daemon that died already is not an error here."""
-        with contextlib.suppress(OSError):
-            self.f.close()
-        self.sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
