@@ -119,3 +119,30 @@ def test_a_record_is_read_in_place_whatever_its_layout(zip_crc: bool) -> None:
     assert (
         saved_tensor_view(torch.frombuffer(bytearray(pickle.dumps(1)), dtype=torch.uint8)) is None
     )
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["checked", "unchecked"])
+def test_direct_items_whose_ends_are_read_ahead_come_back_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checksums: bool
+) -> None:
+    """Direct mode requests the two ends of the next ``AHEAD`` items before their bodies;
+    with a window of one item and of all of them, every item comes back bit for bit and a
+    file cut short is still an error."""
+    import trainguard.checkpoint.reader as reader_mod
+
+    path, sums, state = _part(tmp_path)
+    for ahead in (1, 16):
+        monkeypatch.setattr(reader_mod, "AHEAD", ahead)
+        got = _load(path, sums, state, True, checksums)
+        for k, v in state.items():
+            assert torch.equal(got[k], v), (ahead, k)
+    # cut short, with a manifest that agrees (so only the reads in flight can find it)
+    data = next(path.rglob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    rel = str(data.relative_to(path))
+    sums = {**sums, rel: {**sums[rel], "size": data.stat().st_size}}
+    with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException
+        _load(path, sums, state, True, checksums)
+    seen = [info.value, *getattr(info.value, "failures", {}).values()]
+    flat = [x[0] if isinstance(x, tuple) else x for x in seen]
+    assert any(isinstance(x, CorruptFileError) and "ended at byte" in str(x) for x in flat), flat

@@ -596,8 +596,8 @@ class Checkpointer:
         CheckpointCorruptError for a file that does not match (``state`` may then hold some
         of its values: do not go on with it), CheckpointReadError when a file cannot be read
         (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
-        the live state. ``direct``: whole tensors are read straight into the live ones (a
-        prefetched copy in memory; ``VerifyingReader``); ``checksums=False``: it was checked
+        the live state. ``direct``: whole tensors are read straight into the live ones
+        (``VerifyingReader``); ``checksums=False``: it was checked
         whole just before (sizes are still checked)."""
         root = self.root if root is None else root
         path = storage.step_dir(root, step)

@@ -14,12 +14,13 @@ file whose checksum or size differs raises ``CorruptFileError`` once its last by
 items of it may already be in the live state by then, so the caller must not go on with
 that state (``Checkpointer.load`` raises, the rank restarts from an older point).
 
-``direct=True`` (a standby's prefetched copy, in memory): an item that is one whole tensor
-of a contiguous live tensor is read straight into that tensor (only its record's headers and
-directory, at the item's two ends, are read apart); the CRC-32C runs on another thread, in
-file order, over the bytes where they landed, while the next item is read. No buffer is
-allocated and faulted in per item: that, and the second copy out of it, made 4 of every 5
-seconds of such a restore. Any other item is read whole as above.
+``direct=True`` (a supervised restore: the durable tier, a standby's prefetched copy): an
+item that is one whole tensor of a contiguous live tensor is read straight into that tensor
+(only its record's headers and directory, at the item's two ends, are read apart, ``AHEAD``
+items ahead, so that every item's body is in flight at once); the CRC-32C runs on another
+thread, in file order, over the bytes where they landed, each piece once its reads are done.
+No buffer is allocated and faulted in per item: that, and the second copy out of it, made 4
+of every 5 seconds of a prefetched restore. Any other item is read whole as above.
 
 ``checksums=False`` (a prefetched copy its agent verified whole at this restart:
 ``prefetch.verify_for_restart``): sizes are checked, no checksum is computed, and only the
@@ -37,7 +38,7 @@ import struct
 import sys
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -49,8 +50,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+_Read = concurrent.futures.Future[None]  # one pread task of ``_submit_into``
 DIRECT_MIN = 1 << 20  # direct mode: smaller items are read whole (a few pages either way)
 EDGE = 128 << 10  # direct mode: bytes read at each end of an item (headers, zip directory)
+AHEAD = 4  # direct mode: items whose two ends are requested ahead of their bodies
 READ_THREADS = 4  # requests in flight per file (a network or cloud disk serves several)
 CHUNK = 32 << 20  # bytes per request (4 x 32 MiB: as fast here as one reader of 64 MiB)
 
@@ -149,17 +152,19 @@ class VerifyingReader(FileSystemReader):
     ) -> None:
         """Serve ``ranges`` without a checksum (the file was verified whole just before):
         only the bytes this rank needs are read, whole-tensor items straight into their live
-        tensors when ``direct``."""
+        tensors when ``direct``, all of them in flight at once."""
+        flight = _InFlight(pool, fd, ranges if self.direct else {})
         for (off, length), items in sorted(ranges.items()):
             if not (
                 self.direct
                 and len(items) == 1
-                and self._direct_item(pool, fd, off, length, items[0], planner, _ignore)
+                and self._direct_item(pool, fd, off, length, items[0], planner, _ignore, flight)
             ):
                 buf = _read(pool, fd, off, length)
                 for req in items:
                     self._serve(req, buf, planner)
             self.bytes_read += length
+        flight.finish(planner)
 
     def _read_direct(
         self,
@@ -171,13 +176,21 @@ class VerifyingReader(FileSystemReader):
     ) -> int:
         """Serve the disjoint ``ranges`` of one file, whole-tensor items straight into their
         live tensors (see the module); returns the file's CRC-32C."""
-        # one CRC task per piece, in file order, on one thread
+        # one CRC task per piece, in file order, on one thread; a piece still being read is
+        # waited for by its task, so every item's reads are in flight together
         chain: list[concurrent.futures.Future[int]] = []
+        flight = _InFlight(pool, fd, ranges)
 
-        def more(piece: torch.Tensor) -> None:
+        def more(piece: torch.Tensor, after: Sequence[_Read] = ()) -> None:
             prev = chain[-1] if chain else None
             data = piece.numpy()  # the tensor is held by the task until it ran
-            chain.append(crc_pool.submit(lambda: crc32c.crc32c(data, prev.result() if prev else 0)))
+
+            def crc() -> int:
+                for f in after:
+                    f.result()
+                return crc32c.crc32c(data, prev.result() if prev else 0)
+
+            chain.append(crc_pool.submit(crc))
 
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as crc_pool:
             pos = 0
@@ -186,7 +199,7 @@ class VerifyingReader(FileSystemReader):
                     more(_read(pool, fd, pos, off - pos))
                 if not (
                     len(items) == 1
-                    and self._direct_item(pool, fd, off, length, items[0], planner, more)
+                    and self._direct_item(pool, fd, off, length, items[0], planner, more, flight)
                 ):
                     buf = _read(pool, fd, off, length)
                     more(buf)
@@ -196,7 +209,9 @@ class VerifyingReader(FileSystemReader):
                 pos = off + length
             if pos < size:
                 more(_read(pool, fd, pos, size - pos))
-            return int(chain[-1].result()) if chain else 0
+            crc = int(chain[-1].result()) if chain else 0
+        flight.finish(planner)
+        return crc
 
     def _direct_item(
         self,
@@ -206,16 +221,16 @@ class VerifyingReader(FileSystemReader):
         length: int,
         req: ReadItem,
         planner: LoadPlanner,
-        more: Callable[[torch.Tensor], None],
+        more: Callable[..., None],
+        flight: _InFlight,
     ) -> bool:
-        """Read the item at ``off`` straight into its live tensor when it is that whole
-        tensor (``_whole``) and its record lies between the two ``EDGE``s; its pieces go to
-        ``more`` in file order. False, nothing handed on, when it is not such an item."""
-        if req.type != LoadItemType.TENSOR or length < max(DIRECT_MIN, 2 * EDGE):
+        """Start reading the item at ``off`` straight into its live tensor when it is that
+        whole tensor (``_whole``) and its record lies between the two ``EDGE``s: the reads go
+        in ``flight`` (committed to the planner once done), its pieces to ``more`` in file
+        order. False, nothing handed on, when it is not such an item."""
+        buf = flight.take(off)
+        if buf is None:
             return False
-        buf = torch.empty(length, dtype=torch.uint8)  # untouched but at its two ends
-        _read_into(pool, fd, off, buf[:EDGE])
-        _read_into(pool, fd, off + length - EDGE, buf[length - EDGE :])
         rec = _record(buf)
         if rec is None:
             return False
@@ -226,11 +241,12 @@ class VerifyingReader(FileSystemReader):
         if start > EDGE or end < length - EDGE or not _whole(meta, target, req):
             return False
         dest = target.reshape(-1).view(torch.uint8)
-        _read_into(pool, fd, off + start, dest)
+        reads = _submit_into(pool, fd, off + start, dest)
+        flight.reads.extend(reads)
+        flight.commits.append((req, target))
         more(buf[:start])
-        more(dest)
+        more(dest, reads)
         more(buf[end:])
-        planner.commit_tensor(req, target)
         return True
 
     def _serve(self, req: ReadItem, buf: torch.Tensor, planner: LoadPlanner) -> None:
@@ -251,8 +267,65 @@ class VerifyingReader(FileSystemReader):
         planner.commit_tensor(req, target)
 
 
-def _ignore(piece: torch.Tensor) -> None:
+def _ignore(piece: torch.Tensor, after: Sequence[_Read] = ()) -> None:
     """The ``more`` of an unchecked read: no checksum is kept."""
+
+
+class _InFlight:
+    """Reads of whole tensors started and not yet waited for, and the planner commits that
+    must follow them."""
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        fd: int,
+        ranges: dict[tuple[int, int], list[ReadItem]],
+    ) -> None:
+        self.reads: list[_Read] = []
+        self.commits: list[tuple[ReadItem, torch.Tensor]] = []
+        # The two ends of the next items that may be read direct, requested ahead: an item's
+        # layout is known from them, so its body need not wait on the previous one's reads.
+        self.edges: dict[int, tuple[torch.Tensor, list[_Read]]] = {}
+        self._pool, self._fd = pool, fd
+        self._todo = collections.deque(
+            (off, length)
+            for (off, length), items in sorted(ranges.items())
+            if len(items) == 1
+            and items[0].type == LoadItemType.TENSOR
+            and length >= max(DIRECT_MIN, 2 * EDGE)
+        )
+        self.ahead()
+
+    def ahead(self) -> None:
+        """Keep the ends of ``AHEAD`` items requested (each holds an untouched buffer of its
+        item's size: address space, not memory)."""
+        while self._todo and len(self.edges) < AHEAD:
+            off, length = self._todo.popleft()
+            buf = torch.empty(length, dtype=torch.uint8)  # untouched but at its two ends
+            head = _submit_into(self._pool, self._fd, off, buf[:EDGE])
+            tail = _submit_into(self._pool, self._fd, off + length - EDGE, buf[length - EDGE :])
+            self.edges[off] = (buf, head + tail)
+
+    def take(self, off: int) -> torch.Tensor | None:
+        """The item at ``off`` with its two ends read (the rest untouched), if requested."""
+        edges = self.edges.pop(off, None)
+        self.ahead()
+        if edges is None:
+            return None
+        for f in edges[1]:
+            f.result()
+        return edges[0]
+
+    def finish(self, planner: LoadPlanner) -> None:
+        """Wait for every read (re-raising the first error: a short file), then commit."""
+        self._todo.clear()
+        for _, reads in self.edges.values():  # items read otherwise after all
+            self.reads.extend(reads)
+        self.edges.clear()
+        for f in self.reads:
+            f.result()
+        for req, target in self.commits:
+            planner.commit_tensor(req, target)
 
 
 def _read(pool: ThreadPoolExecutor, fd: int, off: int, length: int) -> torch.Tensor:
@@ -266,6 +339,13 @@ def _read(pool: ThreadPoolExecutor, fd: int, off: int, length: int) -> torch.Ten
 def _read_into(pool: ThreadPoolExecutor, fd: int, off: int, buf: torch.Tensor) -> None:
     """Fill the contiguous uint8 tensor ``buf`` with the bytes at ``off``, CHUNK-sized preads
     in flight together. Raises CorruptFileError if the file ends first."""
+    for f in _submit_into(pool, fd, off, buf):
+        f.result()
+
+
+def _submit_into(pool: ThreadPoolExecutor, fd: int, off: int, buf: torch.Tensor) -> list[_Read]:
+    """Start filling ``buf`` as ``_read_into`` does; the reads' futures (their ``result()``
+    raises CorruptFileError if the file ended first)."""
     length = buf.numel()
     view = memoryview(buf.numpy())
 
@@ -278,8 +358,7 @@ def _read_into(pool: ThreadPoolExecutor, fd: int, off: int, buf: torch.Tensor) -
                 raise CorruptFileError(f"fd {fd}: ended at byte {off + got}, before {off + end}")
             got += n
 
-    for f in [pool.submit(one, s) for s in range(0, length, CHUNK)]:
-        f.result()
+    return [pool.submit(one, s) for s in range(0, length, CHUNK)]
 
 
 def _crc_span(pool: ThreadPoolExecutor, fd: int, off: int, length: int, crc: int) -> int:
