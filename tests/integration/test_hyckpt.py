@@ -428,6 +428,21 @@ def test_a_frozen_ckptd_is_killed_restarted_and_no_rank_is_blamed(tmp_path: Path
     assert max(storage.list_committed(run / "checkpoints")) == 150
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (the signal is delivered
+    to each thread as it is next scheduled: one already handling a request may answer it)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        return bool(states) and all(s in "Tt" for s in states)
+
+    wait_for(stopped, 10, f"every thread of {pid} stopped")
+
+
 def _largest_gap(t0: float, sent: list[float], t1: float) -> float:
     marks = [t0, *sent, t1]
     return max(b - a for a, b in zip(marks, marks[1:], strict=False))
@@ -460,7 +475,7 @@ def test_a_rank_waiting_on_its_ckptd_sends_keepalives_for_the_whole_wait(
             assert any(a + KEEPALIVE_S <= t <= b + 0.1 for a, b in spans), (t, spans)
         sent.clear()
         # frozen for 6 s, then resumed: one long attempt, answered in the end
-        os.kill(ckptd.pid, signal.SIGSTOP)
+        _freeze(ckptd.pid)
         resume = threading.Timer(6.0, os.kill, (ckptd.pid, signal.SIGCONT))
         resume.start()
         t0 = time.monotonic()
@@ -524,7 +539,7 @@ def test_two_threads_share_the_ckptd_connection_through_ckptd_restarts(
         wait_for(lambda: min(answered) > 20 or errors, 60, "calls after the restarts")
         assert errors == [] and min(answered) > 20, (errors, answered)
         # close() while a call waits (ckptd frozen): the call ends by its own deadline
-        os.kill(daemon.pid, signal.SIGSTOP)
+        _freeze(daemon.pid)
         waiting = threading.Thread(target=hammer, args=(0,))
         stop.clear()
         waiting.start()
