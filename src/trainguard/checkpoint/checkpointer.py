@@ -597,8 +597,8 @@ class Checkpointer:
         of its values: do not go on with it), CheckpointReadError when a file cannot be read
         (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
         the live state. ``direct``: whole tensors are read straight into the live ones
-        (``VerifyingReader``); ``checksums=False``: it was checked
-        whole just before (sizes are still checked)."""
+        (``VerifyingReader``); ``checksums=False``: it was checked whole just before (sizes
+        are still checked)."""
         root = self.root if root is None else root
         path = storage.step_dir(root, step)
         try:
@@ -712,9 +712,8 @@ class Checkpointer:
                     return False
                 self._tier = "replica"
         verified: str | None = None  # the slot's name
-        if isinstance(
-            backend, CkptdBackend
-        ):  # ckptd checks the slot (usually done during the restart)
+        # ckptd checks the slot (usually done during the restart)
+        if isinstance(backend, CkptdBackend):
             reply = backend.verify(rank, step, gen, self._rt.generation)
             if reply is None:
                 pass  # ckptd is down: checksum the slot here, against the sums of its staging
