@@ -1,0 +1,52 @@
+"""trainguard's wires, one module each, dataclasses both ways.
+
+- ``desired``: controller → agent, the desired state of a node (``Run``, ``Stop``, ``Idle``,
+  ``Check``, ``Shutdown``).
+- ``report``: agent → controller, the heartbeat report (``validate_report``).
+- ``common``: the version, size bounds, ``ProtocolError`` and the enums the wires share.
+
+Every message is versioned (``PROTOCOL_VERSION``); a malformed one is refused with
+``ProtocolError`` naming the field and the problem.
+"""
+
+from trainguard.protocol.common import (
+    MAX_ITEMS,
+    MAX_NAME,
+    MAX_REPORT_BYTES,
+    PROTOCOL_VERSION,
+    FaultCause,
+    ProtocolError,
+    WorkerState,
+)
+from trainguard.protocol.desired import (
+    Check,
+    CkptConf,
+    Desired,
+    Idle,
+    Run,
+    Shutdown,
+    Stop,
+    desired_from_json,
+    desired_to_json,
+)
+from trainguard.protocol.report import validate_report
+
+__all__ = [
+    "MAX_ITEMS",
+    "MAX_NAME",
+    "MAX_REPORT_BYTES",
+    "PROTOCOL_VERSION",
+    "Check",
+    "CkptConf",
+    "Desired",
+    "FaultCause",
+    "Idle",
+    "ProtocolError",
+    "Run",
+    "Shutdown",
+    "Stop",
+    "WorkerState",
+    "desired_from_json",
+    "desired_to_json",
+    "validate_report",
+]

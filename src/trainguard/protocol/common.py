@@ -1,0 +1,42 @@
+"""Types every wire shares: the protocol version, size bounds, the refusal error, and the enums
+that travel in messages (worker states, fault causes)."""
+
+from __future__ import annotations
+
+import enum
+
+PROTOCOL_VERSION = 1
+MAX_REPORT_BYTES = 16 << 20  # a report with a long backlog of step records after an outage
+MAX_ITEMS = 100_000  # workers, events, step batches or checkpoint entries in one report
+MAX_NAME = 253  # a node id or address: a DNS name at most
+
+
+class WorkerState(enum.StrEnum):
+    """A worker process as its agent sees it."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ProtocolError(ValueError):
+    """A report that does not follow the protocol; the message names the field."""
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ProtocolError(what)
+
+
+class FaultCause(enum.StrEnum):
+    """Why a generation ended in a fault (``Fault.cause``)."""
+
+    WORKER_CRASH = "worker_crash"  # a worker killed by a signal
+    SDC = "sdc"  # silent data corruption: replicas' state fingerprints differ
+    WORKER_EXIT = "worker_exit"  # a worker exited non-zero, or exited 0 while its peers ran
+    HANG = "hang"  # no progress past the hang timeout
+    NODE_LOST = "node_lost"  # no heartbeat for node_timeout_s, or a rebooted agent
+    NODE_FENCED = "node_fenced"  # the node stopped its workers: it lost the controller
+    RENDEZVOUS_TIMEOUT = "rendezvous_timeout"  # not every rank started in time

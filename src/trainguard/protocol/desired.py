@@ -1,0 +1,148 @@
+"""The controller → agent wire: the desired state of a node.
+
+What the controller answers a report or a long poll with: one of the five types below, on the
+wire as a JSON object whose ``"action"`` names the type. ``desired_to_json`` and
+``desired_from_json`` are inverse; the agent parses every desired state it receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainguard.protocol.common import ProtocolError, _need
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CkptConf:
+    """Where the node's checkpoint tiers are: ``dir`` the durable tier, ``shm_dir`` ckptd's
+    shared memory, ``keep`` durable steps retained, ``memory_tier`` on or off."""
+
+    dir: str
+    shm_dir: str
+    keep: int
+    memory_tier: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Idle:
+    """No workers; keep ``nproc_per_node`` warm spares and ckptd for ``ckpt`` (if given);
+    ``prefetch``: keep a copy of the newest durable step in memory (a healthy standby)."""
+
+    nproc_per_node: int = 0
+    ckpt: CkptConf | None = None
+    prefetch: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shutdown:
+    """The job ended (``phase``, ``reason``): the agent exits."""
+
+    phase: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Check:
+    """Run one pre-flight task (``agent/checks.py`` reads ``task``)."""
+
+    task: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stop:
+    """Stop generation ``generation``'s workers: SIGTERM, SIGKILL after ``grace_s`` seconds;
+    ``dump_stacks``: take every rank's stack first (a hang); ``persist``: (step, generation)
+    the node's ckptd persists from memory (a planned stop)."""
+
+    generation: int
+    grace_s: float
+    dump_stacks: bool = False
+    persist: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """Run node rank ``node_rank`` of generation ``generation``: ``nproc_per_node`` workers of
+    ``script`` in a world of ``world_size`` ranks over ``nnodes`` nodes, rendezvous at
+    ``master_addr:master_port`` (None until node rank 0 hosts the store: ``host_store``),
+    restoring ``restore_step`` written by generation ``restore_gen`` (from memory unless
+    ``restore_memory`` is false: after a world change every rank reads the durable tier).
+    Timeouts in seconds; ``injects``: fault drills not yet fired (``InjectSpec`` JSON);
+    ``replica_peers``: ckptd replica servers to copy snapshots to; ``replica_sources``: rank →
+    replica server to fetch the restore point from."""
+
+    generation: int
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    master_addr: str | None
+    master_port: int | None
+    host_store: bool
+    restore_step: int | None
+    restore_gen: int | None
+    restore_memory: bool
+    ckpt: CkptConf
+    restarts: int
+    max_restarts: int
+    injects: list[dict[str, Any]]
+    script: str
+    launch: str
+    log_dir: str | None
+    script_args: list[str]
+    hang_timeout_s: float | None
+    hang_timeout_min_s: float
+    hang_timeout_max_s: float
+    first_step_timeout_s: float
+    heartbeat_s: float
+    node_timeout_s: float
+    replica_peers: list[str]
+    replica_sources: dict[str, str]
+    probe_every_s: float = 0.0  # in-job known-answer GEMM probe period (agent/probe.py); 0: off
+
+
+Desired = Run | Stop | Idle | Check | Shutdown
+_ACTIONS: dict[str, type[Any]] = {
+    "run": Run, "stop": Stop, "idle": Idle, "check": Check, "shutdown": Shutdown,
+}  # fmt: skip
+_ACTION_OF = {t: a for a, t in _ACTIONS.items()}
+
+
+def desired_to_json(d: Desired) -> dict[str, Any]:
+    """``d`` as the wire's JSON object (``"action"`` names its type)."""
+    out: dict[str, Any] = {"action": _ACTION_OF[type(d)]}
+    for f in dataclasses.fields(d):
+        v = getattr(d, f.name)
+        out[f.name] = dataclasses.asdict(v) if isinstance(v, CkptConf) else v
+    if isinstance(d, Stop):
+        if d.persist is None:
+            del out["persist"]
+        else:
+            out["persist"] = {"step": d.persist[0], "generation": d.persist[1]}
+    return out
+
+
+def desired_from_json(body: Any) -> Desired:
+    """The desired state a controller sent. Raises ProtocolError naming the field when
+    ``body`` is not one (an unknown action, a missing or extra field)."""
+    _need(isinstance(body, dict), "a desired state is a JSON object")
+    kind = _ACTIONS.get(body.get("action"))  # type: ignore[arg-type]
+    _need(kind is not None, f"desired.action: one of {', '.join(_ACTIONS)}, "
+          f"got {body.get('action')!r}")  # fmt: skip
+    args = {k: v for k, v in body.items() if k != "action"}
+    if isinstance(args.get("ckpt"), dict):
+        try:
+            args["ckpt"] = CkptConf(**args["ckpt"])
+        except TypeError as e:
+            raise ProtocolError(f"desired.ckpt: {e}") from None
+    if kind is Stop and isinstance(args.get("persist"), dict):
+        p = args["persist"]
+        try:
+            args["persist"] = (int(p["step"]), int(p["generation"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"desired.persist: step and generation integers ({e!r})") from None
+    try:
+        return kind(**args)  # type: ignore[no-any-return]
+    except TypeError as e:  # a missing or unknown field
+        raise ProtocolError(f"desired {body.get('action')}: {e}") from None
