@@ -29,7 +29,7 @@ from trainguard.protocol.desired import (
     desired_from_json,
     desired_to_json,
 )
-from trainguard.protocol.report import validate_report
+from trainguard.protocol.report import StepRecord, validate_report
 
 __all__ = [
     "MAX_ITEMS",
@@ -44,6 +44,7 @@ __all__ = [
     "ProtocolError",
     "Run",
     "Shutdown",
+    "StepRecord",
     "Stop",
     "WorkerState",
     "desired_from_json",

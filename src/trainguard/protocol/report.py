@@ -12,6 +12,7 @@ Worker states are ``WorkerState`` values. Sizes are bounded: ``MAX_REPORT_BYTES`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from trainguard.protocol.common import (
@@ -100,3 +101,65 @@ def validate_report(body: Any) -> None:
     _need(
         store is None or (isinstance(store, list) and len(store) == 2), "store: [generation, port]"
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepRecord:
+    """One finished training step of one rank, as the runtime measured it.
+
+    Travels runtime → agent (a step datagram) → controller (a report's ``steps[].items``) →
+    store, in the short keys of ``to_json`` (a report may carry 10^5 of them after an outage).
+    ``t_end`` wall clock (s since the epoch) when the step ended; ``duration_s`` wall time since
+    the previous step's end (s); ``loss`` the step's scalar loss; ``tokens`` tokens this rank
+    processed; ``grad_norm`` the total gradient norm; ``sections`` seconds per timed section of
+    the step (``"communication"``, ``"checkpoint"``, …); ``t_coll`` wall clock of the step's
+    first collective issue; ``gap`` seconds from the end of this rank's previous collective to
+    that first issue (the rank's own work before it waits on its peers; None when untimed).
+    """
+
+    step: int
+    t_end: float
+    duration_s: float
+    loss: float | None = None
+    tokens: int | None = None
+    grad_norm: float | None = None
+    sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    t_coll: float | None = None
+    gap: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's wire form: ``{"step", "t_end", "dur", "loss", "tokens", "gn", "sec",
+        "tc", "gap"}``."""
+        return {
+            "step": self.step,
+            "t_end": self.t_end,
+            "dur": self.duration_s,
+            "loss": self.loss,
+            "tokens": self.tokens,
+            "gn": self.grad_norm,
+            "sec": self.sections,
+            "tc": self.t_coll,
+            "gap": self.gap,
+        }
+
+    @classmethod
+    def from_json(cls, body: Any) -> StepRecord:
+        """The record ``to_json`` wrote. Raises ProtocolError naming the field when ``body`` is
+        not one."""
+        _need(isinstance(body, dict), "step record: a JSON object")
+        _need(type(body.get("step")) is int, "step record.step: an integer")
+        for key in ("t_end", "dur"):
+            _need(type(body.get(key)) in (int, float), f"step record.{key}: a number")
+        sec = body.get("sec") or {}
+        _need(isinstance(sec, dict), "step record.sec: a mapping section → seconds")
+        return cls(
+            step=body["step"],
+            t_end=float(body["t_end"]),
+            duration_s=float(body["dur"]),
+            loss=body.get("loss"),
+            tokens=body.get("tokens"),
+            grad_norm=body.get("gn"),
+            sections={str(k): float(v) for k, v in sec.items()},
+            t_coll=body.get("tc"),
+            gap=body.get("gap"),
+        )

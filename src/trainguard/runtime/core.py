@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 import queue
 import signal
@@ -35,17 +34,6 @@ from typing import Any
 
 from trainguard.faults.inject import InjectSpec, loads
 from trainguard.runtime import api, wire
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class StepRecord:
-    """One finished training step of this rank. ``duration_s`` is wall time since the last step end."""
-
-    step: int
-    t_end: float
-    duration_s: float
-    loss: float | None
-    tokens: int | None
 
 
 class Runtime:
