@@ -31,7 +31,7 @@ class _Refuse(argparse.Action):
 _HOSTS = (
     "trainguard run starts every node on this machine; across hosts run `trainguard controller "
     "--rdzv-endpoint HOST:PORT SCRIPT` once and `trainguard agent --controller HOST:PORT` on "
-    "each host (README, Several hosts)"
+    "each host (docs/deploy.md)"
 )
 
 
