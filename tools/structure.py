@@ -8,6 +8,7 @@
 - ``import_cycles``: cycles between ``trainguard`` subpackages (``controller``, ``agent``, …) in
   the module-level and function-level imports alike (``if TYPE_CHECKING`` imports excluded:
   they never run), each as its packages.
+- ``imports``: each subpackage's imports of the others (the graph the cycles are found in).
 - ``long_functions``: functions over ``MAX_FUNCTION_LINES`` lines, each ``file:line name
   length``; one whose ``def`` line or the line before carries ``# long:`` (with the reason) is
   listed apart as ``long_functions_commented``.
@@ -178,6 +179,7 @@ def measure() -> dict[str, object]:
     return {
         "wire_dict_reads": {"total": sum(wire.values()), **wire},
         "import_cycles": _cycles(graph),
+        "imports": {pkg: sorted(graph[pkg]) for pkg in sorted(graph)},
         "long_functions": long_bare,
         "long_functions_commented": long_commented,
         "lines": {m: len((SRC / m).read_text().splitlines()) for m in LINE_MODULES},

@@ -12,13 +12,13 @@ import torch
 
 from trainguard.checkpoint import fingerprint, storage
 from trainguard.checkpoint.api import DCP_METADATA
+from trainguard.checkpoint.sdc_drill import flip_bit
 from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.ingest import FingerprintIndex
 from trainguard.controller.jobstate import Inputs, suspect
 from trainguard.controller.restore import restore_point
 from trainguard.faults.inject import parse_inject
-from trainguard.faults.sdc import flip_bit
 
 
 def header(keys: dict[str, tuple[int, ...]], shards: dict[str, list[int]] | None = None) -> dict:

@@ -13,13 +13,19 @@ import torch
 
 from tests.unit.test_sdc import cfg, running
 from trainguard.agent.probe import GemmProbe
+from trainguard.checkpoint.sdc_drill import (
+    GEMM_ERROR,
+    GradFlip,
+    WrongGemm,
+    flip_bit,
+    state_pointers,
+)
 from trainguard.controller.analysis import AnomalyDetector, DetectConfig
 from trainguard.controller.api import Phase, Pool
 from trainguard.controller.decide import decide
 from trainguard.controller.jobstate import Inputs, Suspicion, known_good, suspect
 from trainguard.controller.restore import restore_point
 from trainguard.faults.inject import parse_inject
-from trainguard.faults.sdc import GEMM_ERROR, GradFlip, WrongGemm, flip_bit, state_pointers
 from trainguard.health.probe import KnownAnswer
 
 

@@ -15,8 +15,9 @@ written to the error file in torchelastic's format. ``mode`` "module" runs ``pyt
 MODULE`` (``runpy``, ``sys.path[0]`` the working directory); "exec" (``--no-python``) replaces
 the spare with the program by ``execvp``, keeping its pid and process group.
 
-The spare dies with its agent (PR_SET_PDEATHSIG = SIGKILL), as workers die with a
-powered-off host; EOF on stdin (agent closed the pipe) ends an unused spare.
+The spare dies with its agent (PR_SET_PDEATHSIG = SIGKILL, ``runtime/process.py``), as
+workers die with a powered-off host; EOF on stdin (agent closed the pipe) ends an unused
+spare.
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import ctypes
 import importlib
 import importlib.machinery
 import json
 import os
 import runpy
-import signal
 import sys
 import threading
 import time
@@ -38,7 +37,8 @@ import traceback
 import types
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
+from trainguard.runtime.process import die_with_parent
+
 EXIT_JOIN_S = 60.0  # how long a finished script's non-daemon threads may run on
 # Imported before the spare is handed a rank: torch itself (~1.3 s on a 2-core CPU) and
 # what a distributed training script imports next (DCP alone is ~0.8 s).
@@ -50,16 +50,6 @@ WARM_MODULES = (
     "torch.nn.parallel",
     "trainguard.checkpoint.checkpointer",
 )
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # non-Linux: rely on the agent's kill path
-        return
-    if os.getppid() != parent:  # the agent died before prctl took effect
-        os._exit(1)
 
 
 def write_error_file(path: str, exc: BaseException) -> None:
@@ -80,7 +70,7 @@ def write_error_file(path: str, exc: BaseException) -> None:
 
 
 def main() -> None:
-    _die_with_parent(int(os.environ.get("TRAINGUARD_AGENT_PID", "0")) or os.getppid())
+    die_with_parent(int(os.environ.get("TRAINGUARD_AGENT_PID", "0")) or os.getppid())
     for name in WARM_MODULES:  # the point of a spare: pay these imports before the fault
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainguard.checkpoint import device, prefetch, snapshot, storage
+from trainguard.checkpoint import sdc_drill as sdc
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import (
     PER_RANK_KEY,
@@ -51,7 +52,6 @@ from trainguard.checkpoint.api import (
 from trainguard.checkpoint.backend import CkptdBackend, LocalBackend
 from trainguard.checkpoint.persister import WRITE_ERRORS
 from trainguard.checkpoint.reader import CorruptFileError, VerifyingReader
-from trainguard.faults import sdc
 from trainguard.runtime import api as rt_api
 from trainguard.runtime.core import init as runtime_init
 

@@ -39,6 +39,7 @@ from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig
 from trainguard.observe.console import console as make_console
 from trainguard.observe.console import styled
+from trainguard.observe.html import DASHBOARD
 
 POLL_S = 0.5
 
@@ -160,8 +161,9 @@ async def _local(
     token = read_or_create_token(token_file)
     store = Store(run_dir)
     controller = Controller(
-        cfg, token, store, host=host, port=port, check_only=True, check_cfg=ccfg
-    )
+        cfg, token, store, host=host, port=port, check_only=True, check_cfg=ccfg,
+        dashboard=DASHBOARD,
+    )  # fmt: skip
     host, port = await controller.start()
     (run_dir / "controller.json").write_text(
         json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()})

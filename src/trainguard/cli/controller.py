@@ -33,6 +33,7 @@ from trainguard.controller.api import JobConfig
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
+from trainguard.observe.html import DASHBOARD
 
 log = logging.getLogger("trainguard.controller")
 
@@ -59,6 +60,7 @@ async def _serve(
     controller = Controller(
         cfg, token, store, host=host, port=port, resume=resume, rerun_of=rerun_of,
         leftovers=leftovers, view_token=read_or_create_token(Path(cfg.run_dir) / VIEW_TOKEN),
+        dashboard=DASHBOARD,
     )  # fmt: skip
     host, port = await controller.start()
     info = Path(cfg.run_dir) / "controller.json"

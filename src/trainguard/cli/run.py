@@ -36,6 +36,7 @@ from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig
+from trainguard.observe.html import DASHBOARD
 from trainguard.observe.statusline import StatusLine, job_line
 from trainguard.observe.tee import Tee, parse_ranks
 
@@ -386,7 +387,9 @@ async def _run(
     prev = previous_run(store, Path(cfg.run_dir))
     leftovers = storage.clean_leftovers(Path(cfg.ckpt_dir)) if prev is not None else {}
     view = read_or_create_token(Path(cfg.run_dir) / VIEW_TOKEN)
-    controller = Controller(cfg, token, store, rerun_of=prev, leftovers=leftovers, view_token=view)
+    controller = Controller(
+        cfg, token, store, rerun_of=prev, leftovers=leftovers, view_token=view, dashboard=DASHBOARD
+    )
     host, port = await controller.start()
     cluster = Cluster(cfg, f"{host}:{port}", token_file)
     got_signal: list[int] = []

@@ -7,6 +7,10 @@ or ``#token=…`` in the URL: a fragment, never sent to the server nor logged).
 - ``GET  /``            the dashboard (``observe/static/view.html``), polling ``/v1/view``
 - ``GET  /v1/view``     what the dashboard shows (``observe/view.py``)
 
+(These two and the page's script are the ``Dashboard`` the controller is handed, by the CLI:
+``observe.html.DASHBOARD``. The controller never imports observe, which reads the
+controller's store; without a dashboard they answer 404.)
+
 - ``POST /v1/report``   an agent's heartbeat and reports; answers its desired state
 - ``GET  /v1/desired``  long poll: ``?node=ID&version=V&wait_s=S`` returns once the node's
                         desired state is newer than V, or after S seconds (max 30)
@@ -31,7 +35,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -40,26 +44,37 @@ from trainguard.controller.api import Pool
 from trainguard.controller.jobstate import pool_lists, state_json
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
-from trainguard.observe import html
-from trainguard.observe.html import PLOTLY_PATH
-from trainguard.observe.view import build_view
 
 if TYPE_CHECKING:
     from trainguard.controller.server import Controller
 
 log = logging.getLogger("trainguard.controller")
 MAX_WAIT_S = 30.0  # the longest long poll
-PUBLIC = frozenset({"/", PLOTLY_PATH, "/favicon.ico"})  # the page and its script: no data in them
+PUBLIC = frozenset({"/", "/favicon.ico"})  # and the page's script: no data in them
 READ_ONLY = frozenset({"/v1/view", "/v1/status", "/metrics"})  # the view token's reach
 
 
+class Dashboard(Protocol):
+    """The job's page: served at ``/``, its script at ``script_path``, its data at
+    ``/v1/view`` (``observe.html.DASHBOARD``)."""
+
+    script_path: str
+
+    def page(self) -> str: ...
+    def script(self) -> bytes: ...
+    def view(self, run_dir: Path) -> dict[str, Any]: ...
+
+
 class HttpApi:
-    """The endpoints of one controller (``ctl``), authenticated by ``token`` (hex)."""
+    """The endpoints of one controller (``ctl``), authenticated by ``token`` (hex); the
+    dashboard's are ``ctl.dashboard``'s (none: 404)."""
 
     def __init__(self, ctl: Controller, token: str, view_token: str | None = None) -> None:
         self.ctl = ctl
         self._token = f"Bearer {token}".encode()
         self._view = f"Bearer {view_token}".encode() if view_token else None
+        self._dash: Dashboard | None = ctl.dashboard
+        self._public = PUBLIC | ({self._dash.script_path} if self._dash else set())
 
     def app(self) -> web.Application:
         """The aiohttp application: routes, the token check, the report size limit (413)."""
@@ -73,12 +88,17 @@ class HttpApi:
                 web.post("/v1/check", self._check_start),
                 web.get("/v1/check", self._check_get),
                 web.get("/metrics", self._metrics),
-                web.get("/v1/view", self._view_json),
-                web.get("/", self._page),
-                web.get(PLOTLY_PATH, self._plotly),
                 web.get("/favicon.ico", self._no_icon),
             ]
         )
+        if self._dash is not None:
+            app.add_routes(
+                [
+                    web.get("/v1/view", self._view_json),
+                    web.get("/", self._page),
+                    web.get(self._dash.script_path, self._plotly),
+                ]
+            )
         return app
 
     def metrics_app(self, open_: bool) -> web.Application:
@@ -100,7 +120,7 @@ class HttpApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.method == "GET" and request.path in PUBLIC:
+        if request.method == "GET" and request.path in self._public:
             return await handler(request)
         if not self._allowed(request):
             log.warning(
@@ -206,21 +226,24 @@ class HttpApi:
         return web.json_response(out)
 
     async def _page(self, request: web.Request) -> web.Response:
-        return web.Response(text=html.page(), content_type="text/html", charset="utf-8")
+        assert self._dash is not None  # routed only with a dashboard
+        return web.Response(text=self._dash.page(), content_type="text/html", charset="utf-8")
 
     async def _no_icon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)  # browsers ask; nothing to log
 
     async def _plotly(self, request: web.Request) -> web.Response:
+        assert self._dash is not None
         return web.Response(
-            body=html.plotly_js(),
+            body=self._dash.script(),
             content_type="application/javascript",
             headers={"Cache-Control": "max-age=86400"},
         )
 
     async def _view_json(self, request: web.Request) -> web.Response:
         """The dashboard's data, built from the store off the event loop."""
-        view = await asyncio.to_thread(build_view, Path(self.ctl.cfg.run_dir))
+        assert self._dash is not None
+        view = await asyncio.to_thread(self._dash.view, Path(self.ctl.cfg.run_dir))
         return web.json_response(view, dumps=lambda v: json.dumps(v, default=str))
 
     async def _metrics(self, request: web.Request) -> web.Response:

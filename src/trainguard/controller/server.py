@@ -32,7 +32,7 @@ from trainguard.controller.api import (
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for
-from trainguard.controller.http import HttpApi
+from trainguard.controller.http import Dashboard, HttpApi
 from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses_changed, observe
 from trainguard.controller.jobmetrics import JobCollector
 from trainguard.controller.jobstate import (
@@ -104,8 +104,10 @@ class Controller:
         check_only: bool = False,
         check_cfg: CheckConfig | None = None,
         view_token: str | None = None,
+        dashboard: Dashboard | None = None,
     ) -> None:
         self.cfg, self.store, self.host, self.port = cfg, store, host, port
+        self.dashboard = dashboard  # the page HttpApi serves (observe's, handed in by the CLI)
         self.check_only = check_only
         self._token, self._view_token = token, view_token
         if resume is not None:

@@ -28,7 +28,8 @@ Kinds (each fires once per job, not again after the restart it causes):
                               ``trainguard.init``) and in its in-job known-answer probes
 - ``sdc:rank=R:step=S[:target=T][:bit=B]`` silent data corruption in training: rank R flips
                               bit B (default 22, the float32 mantissa's top bit) of element 0
-                              of a real tensor (``trainguard.faults.sdc``); nothing crashes.
+                              of a real tensor (``trainguard.checkpoint.sdc_drill``);
+                              nothing crashes.
                               target=param (default) or optimizer: a replicated parameter or
                               optimizer-state tensor, in the live state, at its first
                               checkpoint save at or after step S; target=grad: a parameter's

@@ -21,10 +21,12 @@ import dataclasses
 import datetime
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainguard.controller.store import Store
 from trainguard.health import judge
+
+if TYPE_CHECKING:  # handed in by the controller: health never imports it
+    from trainguard.controller.store import Store
 
 log = logging.getLogger("trainguard.preflight")
 NET_SLACK_S = 60.0  # net stage deadline beyond its pair timeouts: process start, training

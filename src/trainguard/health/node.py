@@ -71,10 +71,10 @@ def run_stage(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from trainguard.agent.spare import _die_with_parent
+    from trainguard.runtime.process import die_with_parent
 
     task = json.loads(Path(argv[0]).read_text())
-    _die_with_parent(int(task["agent_pid"]))  # the check dies with the agent that runs it
+    die_with_parent(int(task["agent_pid"]))  # the check dies with the agent that runs it
     result = run_stage(task)
     tmp = Path(f"{argv[1]}.tmp")
     tmp.write_text(json.dumps(result))

@@ -65,9 +65,9 @@ def devices() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from trainguard.agent.spare import _die_with_parent
+    from trainguard.runtime.process import die_with_parent
 
-    _die_with_parent(int(argv[0]))
+    die_with_parent(int(argv[0]))
     torch.set_num_threads(1)  # one core: the workers own the rest
     probes = [KnownAnswer(int(argv[1]), d) for d in devices()]
     for p in probes:

@@ -43,6 +43,27 @@ def page(view: dict[str, Any] | None = None) -> str:
     return html.replace("<!--PLOTLY-->", f"<script>{js}</script>").replace("/*VIEW*/null", data)
 
 
+class _Dashboard:
+    """The live page as the controller serves it (``controller.http.Dashboard``; the CLI
+    hands ``DASHBOARD`` to the ``Controller``, which never imports observe)."""
+
+    script_path = PLOTLY_PATH
+
+    def page(self) -> str:
+        return page()
+
+    def script(self) -> bytes:
+        return plotly_js()
+
+    def view(self, run_dir: Path) -> dict[str, Any]:
+        from trainguard.observe.view import build_view
+
+        return build_view(run_dir)
+
+
+DASHBOARD = _Dashboard()
+
+
 def write_report(run_dir: Path, out: Path) -> Path:
     """``trainguard report --html``: the run's view as one HTML file. Returns ``out``."""
     from trainguard.observe.view import build_view

@@ -81,8 +81,11 @@ def _sdc(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def build_report(run_dir: Path) -> dict[str, Any]:
-    """The report as a dict (the ``--json`` output). Raises FileNotFoundError for a non-run dir."""
+def _load(
+    run_dir: Path,
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], list[Any], int]:
+    """The store's job state, events, config and rank 0's counted steps (step, seconds,
+    generation), the events and steps of the run dir's newest run only; and its runs."""
     db = open_readonly(run_dir)
     try:
         state = read_kv(db, "state") or {}
@@ -102,19 +105,25 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         first = next((e["generation"] for e in events if e["kind"] == "generation_started"), None)
         if first is not None:
             rows = [r for r in rows if r[2] >= first]
+    return state, events, cfg, rows, runs
+
+
+def _wall_time(events: list[dict[str, Any]]) -> tuple[float | None, float]:
+    """When the job started (None: it never did) and its wall time, to its end or its last
+    event."""
     t0 = next((e["ts"] for e in events if e["kind"] == "job_started"), None)
     t1 = next(
         (e["ts"] for e in reversed(events) if e["kind"] == "job_ended"),
         events[-1]["ts"] if events else None,
     )
     wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
-    productive = sum(d for _, d, _ in rows)
-    first_gen = next((e["ts"] for e in events if e["kind"] == "generation_started"), None)
-    preflight_s = sum(
-        float(e.get("stage_s", {}).get("total") or 0.0)
-        for e in events
-        if e["kind"] == "preflight_finished" and (first_gen is None or e["ts"] <= first_gen)
-    )
+    return t0, wall
+
+
+def _drills(
+    state: dict[str, Any], cfg: dict[str, Any], rows: list[Any], first_gen: float | None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The one-shot drills and whether each fired; what the report could not see."""
     fired = set(state.get("fired", []))
     drills = [  # the one-shot drills (each says when it fired); slow/data/pre-flight ones act throughout
         {"inject": (spec := InjectSpec.from_json(d)).describe(), "fired": spec.id in fired}
@@ -132,6 +141,11 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         if not d["fired"] and ":step=" in d["inject"] and not rows:
             unseen.append(f"drill {d['inject']} never fired: the script reports no steps "
                           f"(use after=SECONDS)")  # fmt: skip
+    return drills, unseen
+
+
+def _faults(state: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every fault, and the recoveries among their attempts."""
     attempts = list(state.get("recoveries", []))
     if state.get("recovery"):
         attempts.append(state["recovery"])
@@ -147,12 +161,17 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         {k: r["fault"][k] for k in ("cause", "rank", "node_id", "step", "generation", "message")}
         for r in attempts
     ]
+    return faults, recoveries
+
+
+def _hangs(events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each hang of a known rank, with that rank's py-spy stack."""
     stacks: dict[tuple[int, int], str] = {}  # (generation, rank) → py-spy stack
     for e in events:
         if e["kind"] in ("stacks", "hang_suspected"):
             for r, text in (e.get("stacks") or {}).items():
                 stacks.setdefault((int(e.get("generation") or 0), int(r)), text)
-    hangs = [
+    return [
         {
             "generation": f["generation"],
             "rank": f["rank"],
@@ -164,17 +183,79 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         for f in faults
         if f["cause"] == "hang" and f["rank"] is not None
     ]
+
+
+def _left_out(events: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, str]:
+    """The nodes left faulty or retired, each with why."""
+    pools = state.get("pools", {})
+    why: dict[str, str] = {}
+    for e in events:
+        if e["kind"] == "pool_changed" and e.get("to") in ("faulty", "retired"):
+            why[e["node"]] = e.get("reason", "")
+    return {n: why.get(n, "") for n, p in sorted(pools.items()) if p in ("faulty", "retired")}
+
+
+def _preflight(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each pre-flight run: its nodes, the failed and the inconclusive ones, its seconds."""
+    return [
+        {
+            "run": e["run"],
+            "level": e["level"],
+            "reason": e["reason"],
+            "nodes": e["nodes"],
+            "seconds": e.get("stage_s", {}).get("total"),
+            "failed": {
+                n: v["problems"]
+                for n, v in e["verdicts"].items()
+                if not v["ok"] and not v.get("inconclusive")
+            },
+            "inconclusive": {
+                n: v["problems"] for n, v in e["verdicts"].items() if v.get("inconclusive")
+            },
+        }
+        for e in events
+        if e["kind"] == "preflight_finished"
+    ]
+
+
+def _recoveries(recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each recovery: its fault, generations, restore step and tiers, steps lost, phases."""
+    return [
+        {
+            "fault": r["fault"]["cause"],
+            "rank": r["fault"]["rank"],
+            "node": r["fault"]["node_id"],
+            "from_generation": r["from_generation"],
+            "to_generation": r["to_generation"],
+            "restore_step": r["restore_step"],
+            "steps_lost": r["steps_lost"],
+            "restore_tiers": r.get("restore_tiers", {}),
+            "replaced": r.get("replaced", {}),
+            "phases_s": r["durations_s"],
+        }
+        for r in recoveries
+    ]
+
+
+def build_report(run_dir: Path) -> dict[str, Any]:
+    """The report as a dict (the ``--json`` output). Raises FileNotFoundError for a non-run dir."""
+    state, events, cfg, rows, runs = _load(run_dir)
+    t0, wall = _wall_time(events)
+    productive = sum(d for _, d, _ in rows)
+    first_gen = next((e["ts"] for e in events if e["kind"] == "generation_started"), None)
+    preflight_s = sum(
+        float(e.get("stage_s", {}).get("total") or 0.0)
+        for e in events
+        if e["kind"] == "preflight_finished" and (first_gen is None or e["ts"] <= first_gen)
+    )
+    drills, unseen = _drills(state, cfg, rows, first_gen)
+    faults, recoveries = _faults(state)
     alerts = [
         {k: v for k, v in e.items() if k != "ts"}
         for e in events
         if e["kind"]
         in ("straggler", "loss_spike", "loss_nonfinite", "grad_norm_spike", "throughput_drop")
     ]
-    pools = state.get("pools", {})
-    why: dict[str, str] = {}
-    for e in events:
-        if e["kind"] == "pool_changed" and e.get("to") in ("faulty", "retired"):
-            why[e["node"]] = e.get("reason", "")
     is_check = any(e["kind"] == "check_started" for e in events) and t0 is None
     return {
         "run_dir": str(run_dir),
@@ -193,29 +274,9 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "drills": drills,
         "unseen": unseen,
         "faults": faults,
-        "preflight": [
-            {
-                "run": e["run"],
-                "level": e["level"],
-                "reason": e["reason"],
-                "nodes": e["nodes"],
-                "seconds": e.get("stage_s", {}).get("total"),
-                "failed": {
-                    n: v["problems"]
-                    for n, v in e["verdicts"].items()
-                    if not v["ok"] and not v.get("inconclusive")
-                },
-                "inconclusive": {
-                    n: v["problems"] for n, v in e["verdicts"].items() if v.get("inconclusive")
-                },
-            }
-            for e in events
-            if e["kind"] == "preflight_finished"
-        ],
-        "left_out": {
-            n: why.get(n, "") for n, p in sorted(pools.items()) if p in ("faulty", "retired")
-        },
-        "hangs": hangs,
+        "preflight": _preflight(events),
+        "left_out": _left_out(events, state),
+        "hangs": _hangs(events, faults),
         "snapshots_skipped": sum(1 for e in events if e["kind"] == "ckpt_skipped"),
         "max_skipped_in_a_row": max(
             (int(e.get("skipped_in_a_row", 1)) for e in events if e["kind"] == "ckpt_skipped"),
@@ -234,21 +295,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             for e in events
             if e["kind"] == "node_at_risk"
         ],
-        "recoveries": [
-            {
-                "fault": r["fault"]["cause"],
-                "rank": r["fault"]["rank"],
-                "node": r["fault"]["node_id"],
-                "from_generation": r["from_generation"],
-                "to_generation": r["to_generation"],
-                "restore_step": r["restore_step"],
-                "steps_lost": r["steps_lost"],
-                "restore_tiers": r.get("restore_tiers", {}),
-                "replaced": r.get("replaced", {}),
-                "phases_s": r["durations_s"],
-            }
-            for r in recoveries
-        ],
+        "recoveries": _recoveries(recoveries),
     }
 
 
@@ -267,6 +314,23 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         con.print(f"pre-flight check (trainguard check): {rep['reason']}")
         _print_preflight(con, rep)
         return 0
+    _print_job(con, rep)
+    _print_sdc(con, rep["sdc"])
+    for r in rep["at_risk"]:
+        con.print(styled(("at risk: ", "yellow"), f"{r['node']}: {r['reason']} ({r['action']})"))
+    for line in rep["unseen"]:
+        con.print(styled(("not seen: ", "yellow"), line))
+    _print_preflight(con, rep)
+    _print_faults(con, rep)
+    if rep["alerts"]:
+        _print_alerts(con, rep["alerts"])
+    _print_recoveries(con, rep["recoveries"])
+    return 0
+
+
+def _print_job(con: Console, rep: dict[str, Any]) -> None:
+    """The job's lines: phase, runs, steps and goodput, back-pressure, planned stops, the
+    cold tier, the drills."""
     con.print(f"job: {rep['phase']}  {rep['reason']}")
     if rep["earlier_runs"]:
         con.print(
@@ -302,7 +366,11 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         )
     for d in rep["drills"]:
         con.print(f"drill {d['inject']}: {'fired' if d['fired'] else 'did not fire'}")
-    for x in rep["sdc"]:
+
+
+def _print_sdc(con: Console, sdc: list[dict[str, Any]]) -> None:
+    """One line per silent data corruption: the signal, the culprits, the rollback."""
+    for x in sdc:
         rec = x.get("recomputation")
         who = (
             f"rank(s) {x['culprits']} on {x['nodes']}" if x["culprits"]
@@ -320,11 +388,10 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
                    f"({who}); {last}rolled back to {x['rollback_to']}, "
                    f"{x['steps_recomputed']} step(s) recomputed")
         )  # fmt: skip
-    for r in rep["at_risk"]:
-        con.print(styled(("at risk: ", "yellow"), f"{r['node']}: {r['reason']} ({r['action']})"))
-    for line in rep["unseen"]:
-        con.print(styled(("not seen: ", "yellow"), line))
-    _print_preflight(con, rep)
+
+
+def _print_faults(con: Console, rep: dict[str, Any]) -> None:
+    """The faults' table, then each hang with the stack of the rank that held the others."""
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
         faults.add_column(col)
@@ -343,24 +410,24 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         con.print(f"  stack of rank {h['rank']} ({str(h['node'])}), the rank that held the others:")
         for line in h["stack"].splitlines()[:25]:
             con.print(f"    {line}")
-    if rep["alerts"]:
-        al = Table(title=f"alerts: {len(rep['alerts'])}")
-        for col in ("kind", "gen", "step", "rank", "node", "detail"):
-            al.add_column(col)
-        for a in rep["alerts"]:
-            step = a.get("step", a.get("steps"))
-            detail = {
-                k: v
-                for k, v in a.items()
-                if k not in ("kind", "generation", "step", "steps", "rank", "node")
-            }
-            al.add_row(
-                a["kind"], str(a.get("generation", "")), str(step if step is not None else ""),
-                str(a.get("rank", "")), str(a.get("node", "")), json.dumps(detail)[:90],
-            )  # fmt: skip
-        con.print(al)
-    _print_recoveries(con, rep["recoveries"])
-    return 0
+
+
+def _print_alerts(con: Console, alerts: list[dict[str, Any]]) -> None:
+    al = Table(title=f"alerts: {len(alerts)}")
+    for col in ("kind", "gen", "step", "rank", "node", "detail"):
+        al.add_column(col)
+    for a in alerts:
+        step = a.get("step", a.get("steps"))
+        detail = {
+            k: v
+            for k, v in a.items()
+            if k not in ("kind", "generation", "step", "steps", "rank", "node")
+        }
+        al.add_row(
+            a["kind"], str(a.get("generation", "")), str(step if step is not None else ""),
+            str(a.get("rank", "")), str(a.get("node", "")), json.dumps(detail)[:90],
+        )  # fmt: skip
+    con.print(al)
 
 
 def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:

@@ -8,6 +8,10 @@ a defective ALU or memory cell would leave it (silent: nothing crashes, the job 
 - ``WrongGemm`` (``faults/gemm.py``, importable without the checkpoint modules: the probe
   process uses it): every matrix product of the process is off in one element from a step
   on (``gemm-wrong:node=N:step=S``), as a node whose GEMM unit went bad computes.
+
+The Checkpointer arms these (it holds the live state and its optimizers); they sit in
+``checkpoint/`` because ``flip_bit`` walks the state as ``checkpoint/state.py`` flattens it:
+``faults/`` imports nothing of trainguard (the runtime and the probe import it).
 """
 
 from __future__ import annotations

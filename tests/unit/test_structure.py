@@ -1,0 +1,57 @@
+"""The package layering (docs/architecture.md): no import cycle between ``trainguard``'s
+subpackages, and each imports only the packages below it, as ``tools/structure.py`` counts
+them (module-level and function-level imports alike; ``if TYPE_CHECKING`` ones never run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# package -> the packages it may import. Bottom up: protocol (the wires), faults (the drills'
+# specs and mechanisms), runtime (what a worker imports), checkpoint, health (pre-flight
+# checks); agent and controller are peers that meet only in protocol (neither imports the
+# other); observe reads the controller's store; the CLI wires everything together (it hands
+# the controller observe's dashboard) and nothing imports it.
+_BASE = {"protocol", "faults", "runtime", "checkpoint"}
+LAYERS: dict[str, set[str]] = {
+    "protocol": set(),
+    "faults": {"protocol"},
+    "runtime": {"protocol", "faults"},
+    "checkpoint": {"protocol", "faults", "runtime"},
+    "health": _BASE,
+    "agent": _BASE | {"health"},
+    "controller": _BASE | {"health"},
+    "observe": _BASE | {"health", "controller"},
+    "integrations": _BASE,
+    "cli": _BASE | {"health", "agent", "controller", "observe"},
+}
+
+
+def _structure() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("structure", ROOT / "tools" / "structure.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("structure", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_import_cycle_between_packages() -> None:
+    assert _structure().measure()["import_cycles"] == []
+
+
+def test_each_package_imports_only_the_packages_below_it() -> None:
+    imports = _structure().measure()["imports"]
+    assert isinstance(imports, dict)
+    unknown = sorted(set(imports) - set(LAYERS))
+    assert not unknown, f"new packages {unknown}: give each its place in LAYERS and the docs"
+    wrong = {
+        pkg: sorted(set(deps) - LAYERS[pkg])
+        for pkg, deps in imports.items()
+        if set(deps) - LAYERS[pkg]
+    }
+    assert wrong == {}, f"imports against the layering (package: what it may not import): {wrong}"
