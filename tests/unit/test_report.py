@@ -118,3 +118,19 @@ def test_the_report_text_has_each_section_in_order(
         found = out.find(want, at)
         assert found >= 0, f"{want!r} not after position {at} in:\n{out}"
         at = found + len(want)
+
+
+def test_a_fault_without_a_message_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fault recorded with an empty (or null) message prints an empty cell, not IndexError."""
+    s = Store(tmp_path)
+    s.record("job_started", {}, ts=1.0)
+    faults = [_fault("worker_exit", 1, "n0", 5, 0, ""), {**_fault("hang", 0, "n0", 6, 1, ""),
+              "message": None}]  # fmt: skip
+    s.put("state", {"phase": "FAILED", "reason": "budget", "incarnation": 1, "generation": 2,
+                    "fired": [], "pools": {}, "recoveries": [_recovery(f, i, 0, 5)
+                                                             for i, f in enumerate(faults)]})  # fmt: skip
+    s.close()
+    assert print_report(tmp_path, as_json=False) == 0
+    assert "faults: 2" in capsys.readouterr().out

@@ -402,7 +402,7 @@ def _print_faults(con: Console, rep: dict[str, Any]) -> None:
             str(f["rank"]),
             str(f["node_id"]),
             str(f["step"]),
-            (f["message"] or "").splitlines()[0][:100],
+            next(iter((f["message"] or "").splitlines()), "")[:100],
         )
     con.print(faults)
     for h in rep["hangs"]:
