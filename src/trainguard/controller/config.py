@@ -517,7 +517,7 @@ def group_fields(
             _put(out, *FLAT[key], value, key, check_types)
         elif key in TOP and key not in skip:
             if check_types:
-                _check_type(key, key, value, _hints(JobConfig)[key])
+                _check_type(key, value, _hints(JobConfig)[key])
             out[key] = value
         else:
             unknown.append(key)
@@ -538,7 +538,7 @@ def _put(out: dict[str, Any], section: str, name: str, value: Any, said: str, ch
     )
     _need(name not in table, f"{said} is set twice (flat and in [{section}]); keep one")
     if check:
-        _check_type(said, name, value, _hints(SECTIONS[section])[name])
+        _check_type(said, value, _hints(SECTIONS[section])[name])
     table[name] = value
 
 
@@ -546,8 +546,9 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _check_type(said: str, name: str, value: Any, hint: Any) -> None:
-    want = type_text(hint)
+def _check_type(said: str, value: Any, hint: Any) -> None:
+    """``said``: the key as the file wrote it (``heartbeat_s``, ``[timeouts] heartbeat_s``)."""
+    want, name = type_text(hint), said.rsplit(" ", 1)[-1]
     _need(
         want is None or has_type(value, hint),
         f"{said} = {value!r} is {toml_type(value)}; {name} takes {want}",

@@ -250,16 +250,16 @@ class Controller:
         def emit(kind: str, **data: Any) -> None:
             loop.call_soon_threadsafe(self._cold_event, kind, data)
 
-        cfg = self.cfg.archive
+        arc = self.cfg.archive
         archives = [
-            Archive(url, endpoint_url=cfg.archive_endpoint_url, concurrency=cfg.archive_concurrency,
-                    mbps=cfg.archive_mbps, compress=cfg.archive_compress)
-            for url in cfg.archive_urls
+            Archive(url, endpoint_url=arc.archive_endpoint_url, concurrency=arc.archive_concurrency,
+                    mbps=arc.archive_mbps, compress=arc.archive_compress)
+            for url in arc.archive_urls
         ]  # fmt: skip
         root = Path(self.cfg.ckpt_dir)
         await asyncio.to_thread(restore_newest, archives, root, emit)
         for a in archives:
-            arch = Archiver(a, root, every=cfg.archive_every, keep=cfg.archive_keep, emit=emit)
+            arch = Archiver(a, root, every=arc.archive_every, keep=arc.archive_keep, emit=emit)
             arch.start()
             self._archivers.append(arch)
 
