@@ -13,8 +13,7 @@ import pytest
 import yaml
 
 from trainguard.cli.main import _parser
-from trainguard.cli.run import COMMAND_LINE_FIELDS
-from trainguard.controller.config import JobConfig, group_fields
+from trainguard.controller.config import COMMAND_LINE_FIELDS, JobConfig, group_fields
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "trainguard.yaml"
 K8S = "1.37.0"

@@ -31,6 +31,7 @@ from typing import IO, Any
 from trainguard.checkpoint import storage
 from trainguard.controller.api import Phase
 from trainguard.controller.config import (
+    COMMAND_LINE_FIELDS,
     FLAT,
     JobConfig,
     group_fields,
@@ -97,10 +98,6 @@ def load_fields(path: Path | None, cls: Any) -> dict[str, Any]:
                 f"--config {path}: {name} = {value!r} is {toml_type(value)}; {name} takes {want}"
             )
     return extra
-
-
-# JobConfig fields the command line sets, not the config file.
-COMMAND_LINE_FIELDS = frozenset({"script", "script_args", "run_dir", "launch", "injects"})
 
 
 def load_job_fields(path: Path | None) -> dict[str, Any]:

@@ -80,7 +80,8 @@ class TimeoutsConfig:
     and a node is lost after 5 missed heartbeats (at least 10 s)."""
 
     hang_timeout_s: float | None = setting(
-        None, "fixed hang timeout; unset = calibrated from step times (hang_timeout_min_s..max_s)"
+        None,
+        "fixed hang timeout (--hang-timeout); unset = calibrated from step times, min_s..max_s",
     )
     hang_timeout_max_s: float = setting(300.0, "ceiling of the calibrated hang timeout")
     hang_timeout_min_s: float = setting(10.0, "floor of the calibrated hang timeout")
@@ -133,7 +134,7 @@ class TimeoutsConfig:
 class RestartConfig:
     """The restart policy: when the job stops restarting and FAILs."""
 
-    max_restarts: int = setting(3, "restarts after faults before the job FAILs")
+    max_restarts: int = setting(3, "restarts after faults before the job FAILs (--max-restarts)")
     no_progress_generations: int = setting(
         3, "generations in a row without a new checkpoint → FAILED"
     )
@@ -254,7 +255,7 @@ class PreflightConfig:
     to standby, only after it passes them."""
 
     level: PreflightLevel = setting(
-        "quick", "quick (about 30 s for 4 nodes), full, or off", flat="preflight"
+        "quick", "quick (about 30 s for 4 nodes), full, or off (--preflight)", flat="preflight"
     )
     checks: dict[str, Any] = setting(
         factory=dict,
@@ -376,13 +377,15 @@ class JobConfig:
         "script", "script (python SCRIPT), module (python -m) or exec (the program itself)"
     )
     run_dir: str = setting(doc="where store, logs, checkpoints and metrics go")
-    log_dir: str | None = setting(None, "workers' logs (default RUN_DIR/logs)")
-    nodes: int = setting(1, "nodes the job runs on (the most, for an elastic job)")
+    log_dir: str | None = setting(None, "workers' logs (--log-dir; default RUN_DIR/logs)")
+    nodes: int = setting(
+        1, "nodes the job runs on, the most for an elastic job (--nodes N or MIN:MAX)"
+    )
     min_nodes: int | None = setting(
         None, "elastic: with no standby left, go on with down to this many; unset = nodes"
     )
-    standby: int = setting(0, "extra healthy nodes kept ready to replace a lost one")
-    nproc_per_node: int = setting(1, "workers (ranks) per node")
+    standby: int = setting(0, "extra healthy nodes kept ready to replace a lost one (--standby)")
+    nproc_per_node: int = setting(1, "workers (ranks) per node (--nproc-per-node)")
     injects: tuple[InjectSpec, ...] = setting((), "fault drills (--inject)")
     timeouts: TimeoutsConfig = setting(factory=TimeoutsConfig, doc="deadlines and periods")
     restart: RestartConfig = setting(factory=RestartConfig, doc="the restart policy")
@@ -600,3 +603,98 @@ def toml_type(value: Any) -> str:
     """A TOML value's type, in words."""
     return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
             list: "a list", dict: "a table"}.get(type(value), f"a {type(value).__name__}")  # fmt: skip
+
+
+# JobConfig fields the command line sets, not the config file.
+COMMAND_LINE_FIELDS = frozenset({"script", "script_args", "run_dir", "launch", "injects"})
+
+DOC_HEADER = """\
+# Configuration
+
+<!-- Generated from src/trainguard/controller/config.py by `python tools/config_doc.py`:
+edit the field docs there, then run it. tests/unit/test_config_doc.py checks this file. -->
+
+`trainguard run` and `trainguard controller` take a TOML file of these fields with
+`--config FILE`. A field may be given in its section or flat, at the top of the file (each
+name is unique): `[checkpoint]` `keep_checkpoints = 3` and `keep_checkpoints = 3` are the
+same setting. The one flat name that differs is the pre-flight level: `preflight = "off"`
+is `[preflight]` `level = "off"`. A flag given on the command line beats the file.
+
+```toml
+nodes = 2
+standby = 1
+
+[timeouts]
+heartbeat_s = 0.5
+
+[checkpoint]
+keep_checkpoints = 3
+
+[preflight]
+level = "quick"
+
+[preflight.checks]   # CheckConfig fields (health/judge.py), also `[checks]` at the top
+gemm_min_ratio = 0.5
+```
+"""
+
+
+def render_doc() -> str:
+    """``docs/config.md``: the header, then one table per section (field, type, default,
+    doc) from the config classes."""
+    parts = [DOC_HEADER]
+    parts.append(_doc_table("The job", JobConfig, skip=frozenset(SECTIONS)))
+    for name, cls in SECTIONS.items():
+        parts.append(_doc_table(f"`[{name}]`", cls))
+    return "\n".join(parts)
+
+
+def _doc_table(title: str, cls: type, *, skip: frozenset[str] = frozenset()) -> str:
+    hints = _hints(cls)
+    about = " ".join(line.strip() for line in (cls.__doc__ or "").strip().splitlines())
+    about = about.replace("``", "`")
+    rows = [f"## {title}", "", about, "", "| field | type | default | what it sets |",
+            "|---|---|---|---|"]  # fmt: skip
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        name = f"`{f.name}`" + (f" (flat: `{flat_name(f)}`)" if flat_name(f) != f.name else "")
+        default = _doc_default(f)
+        if f.name in COMMAND_LINE_FIELDS:
+            default += " (command line only)"
+        cells = [name, _doc_type(hints[f.name]), default, f.metadata["doc"]]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _doc_type(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_doc_type(a) for a in args if a is not type(None))
+    if origin is typing.Literal:
+        return " | ".join(f'`"{a}"`' for a in args)
+    if origin in (tuple, list):
+        inner = args[0] if args else Any
+        return "list of " + ("drills" if inner is InjectSpec else _doc_type(inner) + "s")
+    if origin is dict:
+        return "table"
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
+
+
+def _doc_default(f: dataclasses.Field[Any]) -> str:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return "required"
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if isinstance(value, tuple | list):
+        return "`[]`"
+    if isinstance(value, dict):
+        return "`{}`"
+    return f"`{value}`"
