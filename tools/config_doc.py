@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="only say whether the file is current")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))  # this tree's classes, not an installed copy's
-    from trainguard.controller.config import render_doc
+    from trainguard.controller.config_doc import render_doc
 
     text = render_doc()
     if args.check:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from trainguard.controller.config import SECTIONS, JobConfig, render_doc
+from trainguard.controller.config import SECTIONS, JobConfig
+from trainguard.controller.config_doc import render_doc
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
