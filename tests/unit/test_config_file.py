@@ -81,7 +81,7 @@ def test_flags_beat_the_file_and_timing_scales(tmp_path: Path) -> None:
         ("[timeouts]\nheartbeat_s = \"fast\"\n",
          "[timeouts] heartbeat_s = 'fast' is a string; heartbeat_s takes a number"),
         ('heartbeat_s = "fast"\n', "heartbeat_s = 'fast' is a string; heartbeat_s takes a number"),
-        ("preflight = 3\n", "preflight = 3 is an integer; preflight takes one of 'quick'"),
+        ("preflight = 3\n", "preflight = 3 is an integer; preflight takes one of 'off', 'quick', 'full'"),
         ('[preflight]\nlevel = "fast"\n', "preflight='fast': use quick, full or off"),
         ("timeouts = 3\n", "timeouts = 3 is an integer; timeouts takes a table ([timeouts]"),
         ("heartbeat_s = 0.2\n[timeouts]\nheartbeat_s = 0.3\n",

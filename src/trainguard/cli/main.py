@@ -11,10 +11,12 @@ import signal
 import socket
 import sqlite3
 import sys
+import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
 from trainguard import __version__
+from trainguard.controller.config import PreflightLevel, field_of
 
 
 class _Refuse(argparse.Action):
@@ -44,8 +46,8 @@ def torchrun_flags(p: argparse.ArgumentParser, *, multi_host: bool) -> None:
                    help="SCRIPT is a program run as it is, not a Python file")  # fmt: skip
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun scripts: trainguard run is always standalone")  # fmt: skip
-    p.add_argument("--log-dir", "--log_dir", type=Path, default=None,
-                   help="where the workers' logs go (default RUN_DIR/logs)")  # fmt: skip
+    names, kw = _field_flag("log_dir", "--log_dir", shown="", type=Path, default=None)
+    p.add_argument(*names, **kw)
     if multi_host:
         return _refuse(p, multi_host)
     p.add_argument("--tee", "-t", default=None, metavar="0-3",
@@ -84,33 +86,40 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-# The job flags of ``run`` and ``controller``, declared once: (names, add_argument keywords).
-# Each sets the config field of its name (``cli/run.py: build_config``); ``preflight`` and the
-# script come after the torchrun flags, as in torchrun's usage line.
-_JOB_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
-    (("--nodes", "--nnodes"),
-     dict(default=None, metavar="N|MIN:MAX",
-          help="nodes the job runs on (default 1); MIN:MAX = elastic")),
-    (("--standby",),
-     dict(type=int, default=None, help="standby nodes kept to replace lost ones (default 0)")),
-    (("--nproc-per-node", "--nproc_per_node"),
-     dict(default=None, metavar="N|auto",
-          help="workers per node (default 1); auto = one per GPU, else per CPU core")),
+Flag = tuple[tuple[str, ...], dict[str, Any]]  # names, add_argument keywords
+
+
+def _field_flag(name: str, *aliases: str, shown: str | None = None, **kw: Any) -> Flag:
+    """The flag that sets config field ``name`` (its flat name): the flag's name and help
+    from the field (``controller/config.py``), the help ending in the field's default (or
+    ``shown``)."""
+    f = field_of(name)
+    shown = f"(default {f.default})" if shown is None else shown
+    help_ = " ".join(t for t in (f.metadata["doc"], shown) if t)
+    return (f.metadata["flag"], *aliases), {"help": help_, **kw}
+
+
+_CALIBRATED = "(default: calibrated from step times, {:g} s to {:g} s)".format(
+    field_of("hang_timeout_min_s").default, field_of("hang_timeout_max_s").default
+)
+# The job flags of ``run`` and ``controller``, declared once. Those that set a config field
+# take its name and doc; ``cli/run.py: build_config`` puts their values in the config.
+_JOB_FLAGS: tuple[Flag, ...] = (
+    _field_flag("nodes", "--nnodes", shown="(default 1); MIN:MAX = elastic", default=None,
+                metavar="N|MIN:MAX"),
+    _field_flag("standby", type=int, default=None),
+    _field_flag("nproc_per_node", "--nproc_per_node", default=None,
+                shown="(default 1); auto = one per GPU, else per CPU core", metavar="N|auto"),
     (("--run-dir", "--run_dir"),
      dict(type=Path, default=None, help="run directory (default runs/<timestamp>)")),
-    (("--max-restarts", "--max_restarts"),
-     dict(type=int, default=None, help="restarts before the job fails (default 3)")),
+    _field_flag("max_restarts", "--max_restarts", type=int, default=None),
 )  # fmt: skip
-_JOB_FLAGS_AFTER: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
-    (("--preflight",),
-     dict(choices=["off", "quick", "full"], default=None,
-          help="pre-flight node checks before training (default quick)")),
-    (("--hang-timeout", "--hang_timeout"),
-     dict(type=float, default=None, metavar="SECONDS",
-          help="fixed hang timeout (default: calibrated from step times, 10 s to 300 s)")),
-    (("--inject",),
-     dict(action="append", default=[], metavar="SPEC",
-          help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)")),
+_JOB_FLAGS_AFTER: tuple[Flag, ...] = (
+    _field_flag("preflight", choices=list(typing.get_args(PreflightLevel)), default=None),
+    _field_flag("hang_timeout_s", "--hang_timeout", shown=_CALIBRATED, type=float, default=None,
+                metavar="SECONDS"),
+    _field_flag("injects", action="append", default=[], metavar="SPEC",
+                help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)"),
     (("--config",),
      dict(type=Path, default=None, help="TOML file with further JobConfig fields")),
     (("script",), dict(help="training script (Python)")),
@@ -126,7 +135,7 @@ _MULTI_HOST_HELP = {
 def _add_job_flags(p: argparse.ArgumentParser, *, multi_host: bool, extra: Any = None) -> None:
     """The job flags, then ``extra(p)`` (the command's own), the torchrun flags, the rest."""
 
-    def add(table: tuple[tuple[tuple[str, ...], dict[str, Any]], ...]) -> None:
+    def add(table: tuple[Flag, ...]) -> None:
         for names, kw in table:
             if multi_host and names[0] in _MULTI_HOST_HELP:
                 kw = {**kw, "help": _MULTI_HOST_HELP[names[0]]}

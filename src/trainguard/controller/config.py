@@ -22,11 +22,10 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from trainguard.checkpoint.archive import check_archive_url
 from trainguard.faults.inject import InjectSpec
 
 Launch = Literal["script", "module", "exec"]
-PreflightLevel = Literal["quick", "full", "off"]
+PreflightLevel = Literal["off", "quick", "full"]
 StragglerAction = Literal["alert", "replace"]
 ArchiveCompress = Literal["auto", "off", "zstd", "zstd+shuf4", "zstd+shuf2"]
 
@@ -57,10 +56,12 @@ def setting(
     *,
     factory: Any = dataclasses.MISSING,
     flat: str | None = None,
+    flag: str | None = None,
 ) -> Any:
-    """A config field with its one-line ``doc`` (and, where it differs from the field's
-    name, the ``flat`` name a config file gives it outside its section)."""
-    meta = {"doc": doc, **({"flat": flat} if flat else {})}
+    """A config field with its one-line ``doc``; where it differs from the field's name, the
+    ``flat`` name a config file gives it outside its section; the command-line ``flag`` that
+    sets it, if any (whose help is ``doc`` and the default: ``cli/main.py``)."""
+    meta = {"doc": doc, **({"flat": flat} if flat else {}), **({"flag": flag} if flag else {})}
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -75,14 +76,13 @@ def _choices(hint: Any) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TimeoutsConfig:
-    """Deadlines and periods. ``heartbeat_s`` and ``node_timeout_s`` scale with the job's
+    """Deadlines and periods. Unless ``hang_timeout_s`` is set, the hang timeout is calibrated
+    from step times, between ``hang_timeout_min_s`` and ``hang_timeout_max_s``.
+    ``heartbeat_s`` and ``node_timeout_s`` scale with the job's
     size unless set (``scaled_timing``): about 1,000 reports a second reach the controller,
     and a node is lost after 5 missed heartbeats (at least 10 s)."""
 
-    hang_timeout_s: float | None = setting(
-        None,
-        "fixed hang timeout (--hang-timeout); unset = calibrated from step times, min_s..max_s",
-    )
+    hang_timeout_s: float | None = setting(None, "fixed hang timeout", flag="--hang-timeout")
     hang_timeout_max_s: float = setting(300.0, "ceiling of the calibrated hang timeout")
     hang_timeout_min_s: float = setting(10.0, "floor of the calibrated hang timeout")
     first_step_timeout_s: float = setting(600.0, "allowance for the first step of a generation")
@@ -134,7 +134,7 @@ class TimeoutsConfig:
 class RestartConfig:
     """The restart policy: when the job stops restarting and FAILs."""
 
-    max_restarts: int = setting(3, "restarts after faults before the job FAILs (--max-restarts)")
+    max_restarts: int = setting(3, "restarts before the job fails", flag="--max-restarts")
     no_progress_generations: int = setting(
         3, "generations in a row without a new checkpoint → FAILED"
     )
@@ -224,8 +224,11 @@ class ArchiveConfig:
             f"archive_compress = {self.archive_compress!r}: use auto, off, zstd, zstd+shuf4 or "
             "zstd+shuf2",
         )
-        for url in self.archive_urls:
-            check_archive_url(url)
+        if self.archive_urls:  # archive.py imports numpy: only for a job with a cold tier
+            from trainguard.checkpoint.archive import check_archive_url
+
+            for url in self.archive_urls:
+                check_archive_url(url)
         norm = [u.rstrip("/") for u in self.archive_urls]
         _need(
             len(set(norm)) == len(norm),
@@ -252,10 +255,10 @@ class ArchiveConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PreflightConfig:
     """Pre-flight checks (``health/``): a node joins the pool, and a quarantined node returns
-    to standby, only after it passes them."""
+    to standby, only after it passes them. quick takes about 30 s for 4 nodes."""
 
     level: PreflightLevel = setting(
-        "quick", "quick (about 30 s for 4 nodes), full, or off (--preflight)", flat="preflight"
+        "quick", "pre-flight node checks before training", flat="preflight", flag="--preflight"
     )
     checks: dict[str, Any] = setting(
         factory=dict,
@@ -377,16 +380,18 @@ class JobConfig:
         "script", "script (python SCRIPT), module (python -m) or exec (the program itself)"
     )
     run_dir: str = setting(doc="where store, logs, checkpoints and metrics go")
-    log_dir: str | None = setting(None, "workers' logs (--log-dir; default RUN_DIR/logs)")
-    nodes: int = setting(
-        1, "nodes the job runs on, the most for an elastic job (--nodes N or MIN:MAX)"
+    log_dir: str | None = setting(
+        None, "where the workers' logs go (default RUN_DIR/logs)", flag="--log-dir"
     )
+    nodes: int = setting(1, "nodes the job runs on", flag="--nodes")
     min_nodes: int | None = setting(
-        None, "elastic: with no standby left, go on with down to this many; unset = nodes"
+        None,
+        "elastic (--nodes MIN:MAX): with no standby left, go on with down to this many "
+        "nodes; unset = not elastic",
     )
-    standby: int = setting(0, "extra healthy nodes kept ready to replace a lost one (--standby)")
-    nproc_per_node: int = setting(1, "workers (ranks) per node (--nproc-per-node)")
-    injects: tuple[InjectSpec, ...] = setting((), "fault drills (--inject)")
+    standby: int = setting(0, "standby nodes kept to replace lost ones", flag="--standby")
+    nproc_per_node: int = setting(1, "workers per node", flag="--nproc-per-node")
+    injects: tuple[InjectSpec, ...] = setting((), "fault drills", flag="--inject")
     timeouts: TimeoutsConfig = setting(factory=TimeoutsConfig, doc="deadlines and periods")
     restart: RestartConfig = setting(factory=RestartConfig, doc="the restart policy")
     pool: PoolConfig = setting(factory=PoolConfig, doc="faulty nodes' re-checks and retirement")
@@ -475,6 +480,12 @@ class JobConfig:
     @property
     def elastic(self) -> bool:
         return self.min_nodes is not None and self.min_nodes < self.nodes
+
+
+def field_of(name: str) -> dataclasses.Field[Any]:
+    """The field that a config file's flat ``name`` sets (top-level, or a section's)."""
+    cls, field = (SECTIONS[FLAT[name][0]], FLAT[name][1]) if name in FLAT else (JobConfig, name)
+    return next(f for f in dataclasses.fields(cls) if f.name == field)
 
 
 def flat_name(f: dataclasses.Field[Any]) -> str:

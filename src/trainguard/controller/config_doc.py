@@ -71,7 +71,8 @@ def _doc_table(title: str, cls: type, *, skip: frozenset[str] = frozenset()) -> 
         default = _doc_default(f)
         if f.name in COMMAND_LINE_FIELDS:
             default += " (command line only)"
-        cells = [name, _doc_type(hints[f.name]), default, f.metadata["doc"]]
+        doc = f.metadata["doc"] + (f" (`{f.metadata['flag']}`)" if "flag" in f.metadata else "")
+        cells = [name, _doc_type(hints[f.name]), default, doc]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
