@@ -76,7 +76,8 @@ def test_flags_beat_the_file_and_timing_scales(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("toml", "needle"),
     [
-        ("[checkpoint]\nkeep_checkpointz = 3\n", "unknown field(s) [checkpoint] keep_checkpointz"),
+        ("[checkpoint]\nkeep_checkpointz = 3\n",
+         "unknown field(s) [checkpoint] keep_checkpointz; known in [checkpoint]: memory_tier, "),
         ("keep_checkpointz = 3\n", "unknown field(s) keep_checkpointz; known: "),
         ("[timeouts]\nheartbeat_s = \"fast\"\n",
          "[timeouts] heartbeat_s = 'fast' is a string; heartbeat_s takes a number"),
@@ -112,3 +113,5 @@ def test_from_fields_flat_or_by_section() -> None:
         JobConfig.from_fields(script="t.py", run_dir="/r", heartbeat_s=5.0)
     with pytest.raises(ValueError, match="unknown field"):
         JobConfig.from_fields(script="t.py", run_dir="/r", hearbeat_s=5.0)
+    with pytest.raises(ValueError, match=r"\[timeouts\] is given whole and by field"):
+        JobConfig.from_fields(script="t.py", run_dir="/r", heartbeat_s=0.2, timeouts=c.timeouts)

@@ -15,6 +15,7 @@ pre-flight level: flat ``preflight = "off"`` is ``[preflight]`` ``level = "off"`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -520,6 +521,7 @@ def group_fields(
                     f"{key} = {value!r} is {toml_type(value)}; {key} takes a table ([{key}] "
                     "and its fields)",
                 )
+                _need(key not in out, f"[{key}] is given whole and by field; give it once")
                 out[key] = value
                 continue
             known = {f.name for f in dataclasses.fields(SECTIONS[key])}
@@ -536,26 +538,34 @@ def group_fields(
         else:
             unknown.append(key)
     if unknown:
-        known_flat = sorted({*FLAT, *(n for n in TOP if n not in skip)})
-        raise ValueError(
-            f"unknown field(s) {', '.join(unknown)}; known: {', '.join(known_flat)} "
-            f"(or in sections: {', '.join(f'[{s}]' for s in SECTIONS)})"
-        )
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}; {_known(unknown, skip)}")
     return out
+
+
+def _known(unknown: list[str], skip: frozenset[str]) -> str:
+    """The fields there are where ``unknown`` were given: flat, or in their sections."""
+    said = []
+    if any(not u.startswith("[") for u in unknown):
+        flat = sorted({*FLAT, *(n for n in TOP if n not in skip)})
+        said.append(
+            f"known: {', '.join(flat)} (or in sections: {', '.join(f'[{s}]' for s in SECTIONS)})"
+        )
+    for section in dict.fromkeys(u[1:].split("]")[0] for u in unknown if u.startswith("[")):
+        names = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+        said.append(f"known in [{section}]: {names}")
+    return "; ".join(said)
 
 
 def _put(out: dict[str, Any], section: str, name: str, value: Any, said: str, check: bool) -> None:
     table = out.setdefault(section, {})
-    _need(
-        isinstance(table, dict),
-        f"{said}: [{section}] is given as a whole already; set its fields in one place",
-    )
+    _need(isinstance(table, dict), f"{said}: [{section}] is given whole and by field; give it once")
     _need(name not in table, f"{said} is set twice (flat and in [{section}]); keep one")
     if check:
         _check_type(said, value, _hints(SECTIONS[section])[name])
     table[name] = value
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
