@@ -127,7 +127,7 @@ def signal_costs(step_s: float) -> dict[str, Any]:
 
     import torch
 
-    from trainguard.controller.api import JobConfig
+    from trainguard.controller.config import JobConfig
     from trainguard.health.probe import KnownAnswer
 
     torch.set_num_threads(1)
@@ -139,7 +139,7 @@ def signal_costs(step_s: float) -> dict[str, Any]:
         probe.run(wrong=False)
         t.append(time.perf_counter() - t0)
     per_probe = statistics.median(t)
-    every = JobConfig(script="x", run_dir="/tmp/x").probe_every_s
+    every = JobConfig(script="x", run_dir="/tmp/x").sdc.probe_every_s
     sys.path.insert(0, str(GPT.parent))
     from model import GPT as Model  # noqa: E402  (the example's model)
     from model import GPTConfig  # noqa: E402

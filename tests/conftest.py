@@ -42,7 +42,7 @@ TINY = [
     "--dropout",
     "0.1",
 ]
-# Short timeouts so faults are seen in seconds (JobConfig fields, see controller/api.py).
+# Short timeouts so faults are seen in seconds (JobConfig fields, see docs/config.md).
 FAST_CONFIG = """
 heartbeat_s = 0.2
 node_timeout_s = 3.0

@@ -128,10 +128,13 @@ def test_the_rank_that_did_not_issue_the_collective_holds_the_others() -> None:
 
 
 def test_decide_replaces_an_evicted_node_at_a_checkpoint_boundary() -> None:
-    from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool
+    from trainguard.controller.api import NodeObs, Phase, Pool
+    from trainguard.controller.config import JobConfig
     from trainguard.controller.decide import JobState, decide
 
-    cfg = JobConfig(script="t.py", run_dir="/tmp/x", nodes=2, standby=1, preflight="off")
+    cfg = JobConfig.from_fields(
+        script="t.py", run_dir="/tmp/x", nodes=2, standby=1, preflight="off"
+    )
     obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0) for n in ("a", "b", "c")}
     s = JobState(
         phase=Phase.RUNNING, generation=0, assignment={"a": 0, "b": 1},

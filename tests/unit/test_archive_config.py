@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.controller.api import JobConfig
+from trainguard.controller.config import JobConfig
 
 
 def _cfg(tmp_path: Path, **kw: object) -> JobConfig:
-    return JobConfig(script="train.py", run_dir=str(tmp_path / "run"), **kw)  # type: ignore[arg-type]
+    return JobConfig.from_fields(script="train.py", run_dir=str(tmp_path / "run"), **kw)
 
 
 @pytest.mark.parametrize(
@@ -43,5 +43,5 @@ def test_an_archive_inside_the_durable_tier_is_refused(tmp_path: Path) -> None:
         _cfg(tmp_path, archive_url=f"file://{hot}/cold")
     with pytest.raises(ValueError, match="overlaps the durable tier"):
         _cfg(tmp_path, archive_url=str(tmp_path))  # the durable tier inside the archive
-    assert _cfg(tmp_path, archive_url=f"file://{tmp_path}/cold").archive_urls
-    assert _cfg(tmp_path, metrics_bind="[::1]:9400").metrics_bind == "[::1]:9400"
+    assert _cfg(tmp_path, archive_url=f"file://{tmp_path}/cold").archive.archive_urls
+    assert _cfg(tmp_path, metrics_bind="[::1]:9400").metrics.metrics_bind == "[::1]:9400"

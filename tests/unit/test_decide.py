@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.api import NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.config import JobConfig
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.decide import desired_for as typed_desired_for
 from trainguard.controller.jobstate import StateEncoder, state_from_json, state_json
@@ -33,7 +34,7 @@ def cfg(**kw: object) -> JobConfig:
     }
     base.update(kw)
     base.setdefault("preflight", "off")
-    return JobConfig(**base)  # type: ignore[arg-type]
+    return JobConfig.from_fields(**base)
 
 
 class Sim:
@@ -469,7 +470,10 @@ def test_elastic_shrinks_without_standby_and_grows_back_without_spending_the_bud
     for _ in range(5):
         sim.tick()
         if sim.s.phase == Phase.STOPPING:
-            assert desired_for(sim.s, "node0", sim.obs, sim.c)["grace_s"] == sim.c.stop_grace_s
+            assert (
+                desired_for(sim.s, "node0", sim.obs, sim.c)["grace_s"]
+                == sim.c.timeouts.stop_grace_s
+            )
             sim.ckpt = [(4, 0), (9, 1)]  # the workers saved at SIGTERM
             sim.ack_stop()
     s = sim.s
@@ -535,11 +539,12 @@ def test_replica_peers_form_a_ring_of_the_configured_size() -> None:
 
 def test_a_plain_job_is_wedged_only_when_every_rank_idles() -> None:
     """No runtime: one idle rank may wait for a busy peer; all idle past the limit is a hang."""
-    from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+    from trainguard.controller.api import NodeObs, Phase, Pool, WorkerObs
+    from trainguard.controller.config import JobConfig
     from trainguard.controller.decide import JobState
     from trainguard.controller.detect import detect_fault as _detect_fault
 
-    cfg = JobConfig(
+    cfg = JobConfig.from_fields(
         script="t.py", run_dir="/tmp/x", nodes=2, preflight="off", hang_timeout_max_s=60
     )
     s = JobState(phase=Phase.RUNNING, generation=0, assignment={"a": 0, "b": 1},
@@ -563,10 +568,13 @@ def test_a_planned_stop_persists_the_newest_memory_snapshot_before_the_restart()
     """Growth: the workers are stopped (SIGTERM, no handler of their own); every rank's step
     23 is in its node's memory, step 20 on disk. The nodes' ckptds persist step 23 first and
     the bigger world restores it: the stop costs no step."""
-    from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool
+    from trainguard.controller.api import NodeObs, Phase, Pool
+    from trainguard.controller.config import JobConfig
     from trainguard.controller.decide import JobState, decide
 
-    cfg = JobConfig(script="t.py", run_dir="/tmp/x", nodes=2, min_nodes=1, preflight="off")
+    cfg = JobConfig.from_fields(
+        script="t.py", run_dir="/tmp/x", nodes=2, min_nodes=1, preflight="off"
+    )
     obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=0.0) for n in ("a", "b")}
     obs["a"].memory = {0: [(22, 0), (23, 0)]}
     s = JobState(phase=Phase.RUNNING, generation=0, assignment={"a": 0}, max_step={0: 23},

@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from trainguard.controller.api import JobConfig, NodeObs, Pool
+from trainguard.controller.api import NodeObs, Pool
+from trainguard.controller.config import JobConfig
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.jobstate import Inputs
 from trainguard.controller.pools import needs_recheck
@@ -133,7 +134,9 @@ def test_a_replica_whose_parameters_differ_is_flagged() -> None:
 
 
 def test_decide_admits_a_node_only_after_it_passed_preflight() -> None:
-    cfg = JobConfig(script="t.py", run_dir="/tmp/x", nodes=1, standby=1, preflight="quick")
+    cfg = JobConfig.from_fields(
+        script="t.py", run_dir="/tmp/x", nodes=1, standby=1, preflight="quick"
+    )
     obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=100.0) for n in ("good", "bad")}
     s, _ = decide(JobState(), obs, 100.0, cfg, [])
     assert s.pools == {}  # being checked
@@ -178,7 +181,7 @@ def test_config_values_of_the_wrong_type_are_refused() -> None:
 
 
 def test_a_job_whose_nodes_all_fail_preflight_fails_with_their_reasons() -> None:
-    cfg = JobConfig(
+    cfg = JobConfig.from_fields(
         script="t.py", run_dir="/tmp/x", nodes=2, preflight="quick", join_timeout_s=30.0
     )
     obs = {n: NodeObs(node_id=n, addr=n, incarnation="i", last_seen=1.0) for n in ("a", "b")}

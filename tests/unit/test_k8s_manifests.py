@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from trainguard.cli.main import _parser
-from trainguard.controller.api import JobConfig
+from trainguard.controller.config import COMMAND_LINE_FIELDS, JobConfig, group_fields
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "trainguard.yaml"
 K8S = "1.37.0"
@@ -61,11 +61,12 @@ def test_the_resources_fit_trainguard_and_each_other() -> None:
               for v in s["volumes"] if "persistentVolumeClaim" in v}  # fmt: skip
     assert claims == {d["PersistentVolumeClaim"]["metadata"]["name"]}
     # The job config is one trainguard accepts, and pods outlive a stop's save.
-    fields = tomllib.loads(d["ConfigMap"]["data"]["job.toml"])
-    cfg = JobConfig(script="train.py", run_dir="/run/trainguard", **fields)
+    toml = tomllib.loads(d["ConfigMap"]["data"]["job.toml"])
+    fields = group_fields(toml, skip=COMMAND_LINE_FIELDS, check_types=True)
+    cfg = JobConfig.from_fields(script="train.py", run_dir="/run/trainguard", **fields)
     for spec in (ctl, agent):
         assert spec["terminationGracePeriodSeconds"] > max(
-            cfg.stop_grace_s, cfg.stop_persist_timeout_s
+            cfg.timeouts.stop_grace_s, cfg.timeouts.stop_persist_timeout_s
         )
-    assert cfg.metrics_bind and cfg.metrics_bind.endswith(":9400")
+    assert cfg.metrics.metrics_bind and cfg.metrics.metrics_bind.endswith(":9400")
     assert any(m["mountPath"] == "/dev/shm" for m in a["volumeMounts"])

@@ -13,7 +13,8 @@ import torch
 from trainguard.checkpoint import fingerprint, storage
 from trainguard.checkpoint.api import DCP_METADATA
 from trainguard.checkpoint.sdc_drill import flip_bit
-from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.api import NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.config import JobConfig
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.ingest import FingerprintIndex
 from trainguard.controller.jobstate import Inputs, suspect
@@ -62,7 +63,7 @@ def test_the_majority_names_the_culprit_and_two_replicas_cannot() -> None:
 def cfg(**kw: object) -> JobConfig:
     base: dict[str, object] = dict(script="t.py", run_dir="/tmp/x", nodes=2, nproc_per_node=2,
                                    standby=1, heartbeat_s=0.5, node_timeout_s=5.0)  # fmt: skip
-    return JobConfig(**{**base, **kw})  # type: ignore[arg-type]
+    return JobConfig.from_fields(**{**base, **kw})
 
 
 def running(now: float) -> tuple[JobState, dict[str, NodeObs]]:

@@ -5,7 +5,8 @@ disagreement names it by majority of nodes or as the node in both. Pure: decide 
 
 from __future__ import annotations
 
-from trainguard.controller.api import JobConfig, NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.api import NodeObs, Phase, Pool, WorkerObs
+from trainguard.controller.config import JobConfig
 from trainguard.controller.decide import JobState, decide
 from trainguard.controller.ingest import FingerprintIndex
 from trainguard.controller.jobstate import Inputs
@@ -17,7 +18,7 @@ NOW = 1000.0
 def cfg(**kw: object) -> JobConfig:
     base: dict[str, object] = dict(script="t.py", run_dir="/tmp/x", nodes=2, nproc_per_node=1,
                                    standby=1, heartbeat_s=0.5, node_timeout_s=5.0)  # fmt: skip
-    return JobConfig(**{**base, **kw})  # type: ignore[arg-type]
+    return JobConfig.from_fields(**{**base, **kw})
 
 
 def running(gen: int, assignment: dict[str, int], s: JobState | None = None) -> tuple[

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from trainguard import protocol
-from trainguard.controller.api import scaled_timing
+from trainguard.controller.config import scaled_timing
 from trainguard.protocol import PROTOCOL_VERSION, ProtocolError, validate_report
 
 GOOD = {

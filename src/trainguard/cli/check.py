@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from trainguard.controller.api import JobConfig
+from trainguard.controller.config import JobConfig, PreflightConfig, TimeoutsConfig
 from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
@@ -153,8 +153,9 @@ async def _local(
     _check_writable(run_dir)
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
     cfg = JobConfig(
-        script="(check)", run_dir=str(run_dir), nodes=args.nodes or 4, preflight=ccfg.level,
-        injects=injects, join_timeout_s=args.join_timeout,
+        script="(check)", run_dir=str(run_dir), nodes=args.nodes or 4, injects=injects,
+        preflight=PreflightConfig(level=ccfg.level),
+        timeouts=TimeoutsConfig(join_timeout_s=args.join_timeout),
     )  # fmt: skip
     host, port = parse_bind(args.bind) if args.bind else ("127.0.0.1", 0)
     token_file = args.token_file or run_dir / "token"
@@ -188,7 +189,7 @@ async def _local(
                 progress.show(pf.runs[max(pf.runs)].to_json())
             await asyncio.wait([done], timeout=POLL_S)
         state = done.result()
-        await asyncio.sleep(min(3.0, cfg.heartbeat_s * 4))  # agents fetch the shutdown
+        await asyncio.sleep(min(3.0, cfg.timeouts.heartbeat_s * 4))  # agents fetch the shutdown
     finally:
         if cluster is not None:
             await cluster.wait_exit(30.0)

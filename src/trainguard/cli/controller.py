@@ -29,7 +29,7 @@ from trainguard.cli.run import (
     previous_run,
     read_or_create_token,
 )
-from trainguard.controller.api import JobConfig
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
@@ -79,7 +79,7 @@ async def _serve(
     )
     state = await controller.wait_done()
     # Agents see the terminal state and exit; give them a moment to fetch it.
-    await asyncio.sleep(min(5.0, cfg.heartbeat_s * 4))
+    await asyncio.sleep(min(5.0, cfg.timeouts.heartbeat_s * 4))
     store.record("job_ended", {"phase": state.phase.value, "reason": state.reason})
     await controller.close()
     store.close()

@@ -11,10 +11,12 @@ import signal
 import socket
 import sqlite3
 import sys
+import typing
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from trainguard import __version__
+from trainguard.controller.config import PreflightLevel, field_of
 
 
 class _Refuse(argparse.Action):
@@ -44,8 +46,8 @@ def torchrun_flags(p: argparse.ArgumentParser, *, multi_host: bool) -> None:
                    help="SCRIPT is a program run as it is, not a Python file")  # fmt: skip
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun scripts: trainguard run is always standalone")  # fmt: skip
-    p.add_argument("--log-dir", "--log_dir", type=Path, default=None,
-                   help="where the workers' logs go (default RUN_DIR/logs)")  # fmt: skip
+    names, kw = _field_flag("log_dir", "--log_dir", shown="", type=Path, default=None)
+    p.add_argument(*names, **kw)
     if multi_host:
         return _refuse(p, multi_host)
     p.add_argument("--tee", "-t", default=None, metavar="0-3",
@@ -84,86 +86,69 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="trainguard", description="Keep PyTorch training jobs running through faults.")
-    p.add_argument("--version", action="version", version=f"trainguard {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+Flag = tuple[tuple[str, ...], dict[str, Any]]  # names, add_argument keywords
 
-    r = sub.add_parser("run", help="run a training job on this machine with simulated nodes")
-    r.add_argument(
-        "--nodes",
-        "--nnodes",
-        default=None,
-        metavar="N|MIN:MAX",
-        help="nodes the job runs on (default 1); MIN:MAX = elastic",
-    )
-    r.add_argument(
-        "--standby",
-        type=int,
-        default=None,
-        help="standby nodes kept to replace lost ones (default 0)",
-    )
-    r.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        default=None,
-        metavar="N|auto",
-        help="workers per node (default 1); auto = one per GPU, else per CPU core",
-    )
-    r.add_argument(
-        "--run-dir",
-        "--run_dir",
-        type=Path,
-        default=None,
-        help="run directory (default runs/<timestamp>)",
-    )
-    r.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=None,
-        help="restarts before the job fails (default 3)",
-    )
-    torchrun_flags(r, multi_host=False)
-    r.add_argument("--preflight", choices=["off", "quick", "full"], default=None,
-                   help="pre-flight node checks before training (default quick)")  # fmt: skip
-    r.add_argument(
-        "--hang-timeout",
-        "--hang_timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="fixed hang timeout (default: calibrated from step times, 10 s to 300 s)",
-    )
-    r.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)",
-    )
-    r.add_argument(
-        "--config", type=Path, default=None, help="TOML file with further JobConfig fields"
-    )
-    r.add_argument("script", help="training script (Python)")
-    r.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
-    k = sub.add_parser("controller", help="run a job's controller for agents on other hosts")
-    k.add_argument(
-        "--nodes",
-        "--nnodes",
-        default=None,
-        metavar="N|MIN:MAX",
-        help="nodes the job runs on (default 1); MIN:MAX = elastic",
-    )
-    k.add_argument("--standby", type=int, default=None, help="standby nodes (default 0)")
-    k.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        default=None,
-        metavar="N|auto",
-        help="workers per node (default 1)",
-    )
+def _field_flag(name: str, *aliases: str, shown: str | None = None, **kw: Any) -> Flag:
+    """The flag that sets config field ``name`` (its flat name): the flag's name and help
+    from the field (``controller/config.py``), the help ending in the field's default (or
+    ``shown``)."""
+    f = field_of(name)
+    shown = f"(default {f.default})" if shown is None else shown
+    help_ = " ".join(t for t in (f.metadata["doc"], shown) if t)
+    return (f.metadata["flag"], *aliases), {"help": help_, **kw}
+
+
+_CALIBRATED = "(default: calibrated from step times, {:g} s to {:g} s)".format(
+    field_of("hang_timeout_min_s").default, field_of("hang_timeout_max_s").default
+)
+# The job flags of ``run`` and ``controller``, declared once. Those that set a config field
+# take its name and doc; ``cli/run.py: build_config`` puts their values in the config.
+_JOB_FLAGS: tuple[Flag, ...] = (
+    _field_flag("nodes", "--nnodes", shown="(default 1); MIN:MAX = elastic", default=None,
+                metavar="N|MIN:MAX"),
+    _field_flag("standby", type=int, default=None),
+    _field_flag("nproc_per_node", "--nproc_per_node", default=None,
+                shown="(default 1); auto = one per GPU, else per CPU core", metavar="N|auto"),
+    (("--run-dir", "--run_dir"),
+     dict(type=Path, default=None, help="run directory (default runs/<timestamp>)")),
+    _field_flag("max_restarts", "--max_restarts", type=int, default=None),
+)  # fmt: skip
+_JOB_FLAGS_AFTER: tuple[Flag, ...] = (
+    _field_flag("preflight", choices=list(typing.get_args(PreflightLevel)), default=None),
+    _field_flag("hang_timeout_s", "--hang_timeout", shown=_CALIBRATED, type=float, default=None,
+                metavar="SECONDS"),
+    _field_flag("injects", action="append", default=[], metavar="SPEC",
+                help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)"),
+    (("--config",),
+     dict(type=Path, default=None, help="TOML file with further JobConfig fields")),
+    (("script",), dict(help="training script (Python)")),
+    (("script_args",), dict(nargs=argparse.REMAINDER, help="its arguments")),
+)  # fmt: skip
+# What the flags above say differently when agents run on other hosts.
+_MULTI_HOST_HELP = {
+    "--run-dir": "run directory (shared storage)",
+    "script": "training script (Python), the same path on every host",
+}
+
+
+def _add_job_flags(p: argparse.ArgumentParser, *, multi_host: bool, extra: Any = None) -> None:
+    """The job flags, then ``extra(p)`` (the command's own), the torchrun flags, the rest."""
+
+    def add(table: tuple[Flag, ...]) -> None:
+        for names, kw in table:
+            if multi_host and names[0] in _MULTI_HOST_HELP:
+                kw = {**kw, "help": _MULTI_HOST_HELP[names[0]]}
+            p.add_argument(*names, **kw)
+
+    add(_JOB_FLAGS)
+    if extra is not None:
+        extra(p)
+    torchrun_flags(p, multi_host=multi_host)
+    add(_JOB_FLAGS_AFTER)
+
+
+def _controller_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--bind",
         "--rdzv-endpoint",
@@ -172,24 +157,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="listen here (default 127.0.0.1:0); agents join with --controller HOST:PORT",
     )
-    torchrun_flags(k, multi_host=True)
-    k.add_argument("--preflight", choices=["off", "quick", "full"], default=None,
-                   help="pre-flight node checks before training (default quick)")  # fmt: skip
-    k.add_argument("--run-dir", type=Path, default=None, help="run directory (shared storage)")
     k.add_argument(
         "--token-file",
         type=Path,
         default=None,
         help="job token (default RUN_DIR/token, made if missing)",
     )
-    k.add_argument("--max-restarts", "--max_restarts", type=int, default=None)
-    k.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None, metavar="SECONDS")
-    k.add_argument("--inject", action="append", default=[], metavar="SPEC")
-    k.add_argument("--config", type=Path, default=None, help="TOML file with JobConfig fields")
-    k.add_argument("script", help="training script (Python), the same path on every host")
-    k.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
-    a = sub.add_parser("agent", help="run a node agent (one per host)")
+
+def _agent_parser(a: argparse.ArgumentParser) -> None:
     a.add_argument("--controller", required=True, metavar="HOST:PORT")
     a.add_argument("--token-file", type=Path, required=True)
     a.add_argument("--node-id", default=None, help="this node's name (default: the hostname)")
@@ -210,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
-    h = sub.add_parser("check", help="pre-flight node checks: host, GEMM, collectives, training")
+
+def _check_parser(h: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--nodes",
         type=int,
@@ -241,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
         "--join-timeout", type=float, default=120.0, metavar="SECONDS", help=argparse.SUPPRESS
     )
 
+
+def _reading_parsers(sub: Any) -> None:
+    """The commands that read a run: status, ckpt, events, report."""
     t = sub.add_parser("status", help="a live job's phase, node lists and nodes")
     t.add_argument("--controller", default=None, metavar="HOST:PORT")
     t.add_argument("--run-dir", type=Path, default=None)
@@ -277,6 +257,21 @@ def _parser() -> argparse.ArgumentParser:
                 "--kind", action="append", default=None, help="only this kind (repeatable)"
             )
             e.add_argument("--all", action="store_true", help="include routine checkpoint events")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="trainguard", description="Keep PyTorch training jobs running through faults.")
+    p.add_argument("--version", action="version", version=f"trainguard {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="run a training job on this machine with simulated nodes")
+    _add_job_flags(r, multi_host=False)
+    k = sub.add_parser("controller", help="run a job's controller for agents on other hosts")
+    _add_job_flags(k, multi_host=True, extra=_controller_flags)
+    _agent_parser(sub.add_parser("agent", help="run a node agent (one per host)"))
+    _check_parser(
+        sub.add_parser("check", help="pre-flight node checks: host, GEMM, collectives, training")
+    )
+    _reading_parsers(sub)
     return p
 
 

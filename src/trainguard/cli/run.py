@@ -24,13 +24,22 @@ import subprocess
 import sys
 import time
 import tomllib
-import types
 import typing
 from pathlib import Path
 from typing import IO, Any
 
 from trainguard.checkpoint import storage
-from trainguard.controller.api import JobConfig, Phase, scaled_timing
+from trainguard.controller.api import Phase
+from trainguard.controller.config import (
+    COMMAND_LINE_FIELDS,
+    FLAT,
+    JobConfig,
+    group_fields,
+    has_type,
+    scaled_timing,
+    toml_type,
+    type_text,
+)
 from trainguard.controller.jobstate import JobState, state_from_json
 from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
@@ -62,20 +71,21 @@ def parse_nodes(text: str | None) -> tuple[int | None, int | None]:
     return nmin, nmax
 
 
-def load_fields(
-    path: Path | None, cls: Any, *, skip: frozenset[str] | set[str] = frozenset()
-) -> dict[str, Any]:
-    """The fields of dataclass ``cls`` set in the TOML file ``path`` ({} without one).
-    Raises ValueError naming an unreadable file or unknown fields."""
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """The table in the TOML file ``path``. Raises ValueError naming an unreadable file."""
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"--config {path}: {e}; give a readable TOML file of {what}") from None
+
+
+def load_fields(path: Path | None, cls: Any) -> dict[str, Any]:
+    """The fields of the flat dataclass ``cls`` set in the TOML file ``path`` ({} without
+    one). Raises ValueError naming an unreadable file, unknown fields or a wrong type."""
     if path is None:
         return {}
-    try:
-        extra = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(
-            f"--config {path}: {e}; give a readable TOML file of {cls.__name__} fields"
-        ) from None
-    known = {f.name for f in dataclasses.fields(cls)} - skip
+    extra = read_toml(path, f"{cls.__name__} fields")
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(
@@ -83,60 +93,33 @@ def load_fields(
         )
     hints = typing.get_type_hints(cls)
     for name, value in extra.items():
-        want = _type_name(hints[name])
-        if want is not None and not _has_type(value, hints[name]):
+        want = type_text(hints[name])
+        if want is not None and not has_type(value, hints[name]):
             raise ValueError(
-                f"--config {path}: {name} = {value!r} is {_toml_type(value)}; {name} takes {want}"
+                f"--config {path}: {name} = {value!r} is {toml_type(value)}; {name} takes {want}"
             )
     return extra
 
 
-def _has_type(value: Any, hint: Any) -> bool:
-    """Does a TOML value fit a dataclass field's annotation? (bool is not an int here.)"""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, a) for a in args if a is not type(None))
-    if origin is typing.Literal:
-        return value in args
-    if origin in (tuple, list):
-        return isinstance(value, list) and all(
-            _has_type(v, args[0]) for v in value if args and args[0] is not Ellipsis
+def load_job_fields(path: Path | None) -> dict[str, Any]:
+    """The JobConfig fields set in the TOML file ``path``, flat or in sections, grouped by
+    section (``config.group_fields``); {} without one. Raises ValueError naming an
+    unreadable file, an unknown field or a wrong type."""
+    if path is None:
+        return {}
+    try:
+        return group_fields(
+            read_toml(path, "JobConfig fields"), skip=COMMAND_LINE_FIELDS, check_types=True
         )
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True  # a type this loader does not know: the dataclass checks it
-
-
-def _type_name(hint: Any) -> str | None:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        names = [n for a in args if a is not type(None) and (n := _type_name(a))]
-        return " or ".join(names) or None
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (tuple, list):
-        return "a list"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint)
-
-
-def _toml_type(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
-            list: "a list"}.get(type(value), f"a {type(value).__name__}")  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"--config {path}: {e}") from None
 
 
 def build_config(args: argparse.Namespace) -> JobConfig:
     """Validate flags and the config file into a JobConfig. Raises ValueError naming the fix."""
     launch, target = _launch_target(args)
     run_dir = args.run_dir or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    extra = load_fields(
-        args.config, JobConfig, skip={"script", "script_args", "run_dir", "injects"}
-    )
+    fields = load_job_fields(args.config)
     min_nodes, nodes = parse_nodes(args.nodes)
     flags = {
         "nodes": nodes,
@@ -148,30 +131,38 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         "hang_timeout_s": args.hang_timeout,
         "preflight": getattr(args, "preflight", None),
     }
-    extra.update({k: v for k, v in flags.items() if v is not None})
-    # Timing that scales with the job unless the config sets it (JobConfig docs the rule).
+    for name, value in flags.items():  # a flag given beats the file
+        if value is None:
+            continue
+        if name in FLAT:
+            section, field = FLAT[name]
+            fields.setdefault(section, {})[field] = value
+        else:
+            fields[name] = value
+    # Timing that scales with the job unless the config sets it (config.scaled_timing).
+    timeouts = fields.setdefault("timeouts", {})
     heartbeat, node_timeout = scaled_timing(
-        int(extra.get("nodes", 1)) + int(extra.get("standby", 0))
+        int(fields.get("nodes", 1)) + int(fields.get("standby", 0))
     )
-    extra.setdefault("heartbeat_s", heartbeat)
-    extra.setdefault("node_timeout_s", max(node_timeout, 2.5 * float(extra["heartbeat_s"])))
+    timeouts.setdefault("heartbeat_s", heartbeat)
+    timeouts.setdefault("node_timeout_s", max(node_timeout, 2.5 * float(timeouts["heartbeat_s"])))
     injects = tuple(parse_inject(text, i) for i, text in enumerate(args.inject))
     try:
-        cfg = JobConfig(
+        cfg = JobConfig.from_fields(
             script=target,
             launch=launch,
             script_args=tuple(args.script_args),
             run_dir=str(run_dir.resolve()),
             injects=injects,
-            **extra,
+            **fields,
         )
     except TypeError as e:
         raise ValueError(
-            f"--config {args.config}: a field has the wrong type ({e}); see JobConfig in "
-            "src/trainguard/controller/api.py for each field's type"
+            f"--config {args.config}: a field has the wrong type ({e}); see docs/config.md "
+            "for each field's type"
         ) from None
     try:
-        CheckConfig(**{"level": "quick", **cfg.checks})
+        CheckConfig(**{"level": "quick", **cfg.preflight.checks})
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"--config {args.config}: [checks] {e}; its fields are CheckConfig's "
@@ -311,7 +302,7 @@ class Cluster:
             elif (
                 n.proc is None
                 and n.down_since is not None
-                and now - n.down_since >= self.cfg.reboot_delay_s
+                and now - n.down_since >= self.cfg.pool.reboot_delay_s
             ):
                 store.record("node_rebooted", {"node": n.node_id})
                 self._spawn(n)
@@ -332,7 +323,7 @@ class Cluster:
                 n.log.close()
         # Every agent is gone: whatever segment a killed node left is this launcher's to remove.
         job = hashlib.sha1(str(Path(self.cfg.run_dir).resolve()).encode()).hexdigest()[:8]
-        for path in Path(self.cfg.shm_dir).glob(f"trainguard-{job}-*"):
+        for path in Path(self.cfg.checkpoint.shm_dir).glob(f"trainguard-{job}-*"):
             if path.is_dir():  # a standby's prefetched step
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -414,7 +405,7 @@ async def _run(
         await asyncio.wait([done], timeout=0.2)
     status.close()
     state = done.result()
-    await cluster.wait_exit(AGENT_EXIT_DEADLINE_S + cfg.stop_grace_s)
+    await cluster.wait_exit(AGENT_EXIT_DEADLINE_S + cfg.timeouts.stop_grace_s)
     tee.poll(final=True)
     store.record("job_ended", {"phase": state.phase.value, "reason": state.reason})
     await controller.close()

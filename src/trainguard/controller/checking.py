@@ -5,7 +5,8 @@ verdict to ``decide`` as an input (``Inputs.verdicts``): the driver never edits 
 
 from __future__ import annotations
 
-from trainguard.controller.api import JobConfig, NodeObs
+from trainguard.controller.api import NodeObs
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.pools import is_alive, needs_recheck
 from trainguard.controller.store import Store

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.controller.api import JobConfig, Phase, Pool
+from trainguard.controller.api import Phase, Pool
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import Inputs, JobState, copy_state
 from trainguard.health.coordinator import CheckRun
 
@@ -27,7 +28,7 @@ def decide_check(
     (``s0`` unchanged), the events, and the nodes to start the run on (empty: none to start).
 
     PENDING → RUNNING once ``cfg.nodes`` agents reported (or some, after
-    ``cfg.join_timeout_s``; none by then: FAILED); RUNNING → SUCCEEDED when the run is over,
+    ``cfg.timeouts.join_timeout_s``; none by then: FAILED); RUNNING → SUCCEEDED when the run is over,
     each node in standby (passed) or faulty (failed or inconclusive); a stop request: STOPPED.
     """
     s = copy_state(s0)
@@ -40,11 +41,11 @@ def decide_check(
     elif s.stop_requested:
         s.phase, s.reason = Phase.STOPPED, "stopped by request"
     elif not checking and s.phase == Phase.PENDING:
-        if len(alive) >= cfg.nodes or (alive and waited > cfg.join_timeout_s):
+        if len(alive) >= cfg.nodes or (alive and waited > cfg.timeouts.join_timeout_s):
             start = list(alive)
             s.phase = Phase.RUNNING
-        elif waited > cfg.join_timeout_s:
-            s.phase, s.reason = Phase.FAILED, f"no agent joined in {cfg.join_timeout_s}s"
+        elif waited > cfg.timeouts.join_timeout_s:
+            s.phase, s.reason = Phase.FAILED, f"no agent joined in {cfg.timeouts.join_timeout_s}s"
     elif not checking and s.phase == Phase.RUNNING and last_run is not None:
         for n in last_run.nodes:
             bad = last_run.problems.get(n)

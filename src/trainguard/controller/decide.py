@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from trainguard.controller.api import (
     Fault,
-    JobConfig,
     NodeObs,
     Phase,
     Pool,
     Recovery,
 )
+from trainguard.controller.config import JobConfig
 from trainguard.controller.desired import desired_for
 from trainguard.controller.detect import blame_lost_node, detect_fault, gen_workers, stuck_at_exit
 from trainguard.controller.jobstate import (
@@ -140,12 +140,12 @@ def _pending(
     failed = sorted(n for n, p in s.pools.items() if p in (Pool.FAULTY, Pool.RETIRED))
     # Every expected node joined, some failed pre-flight: start on the ones that passed.
     settled = enough and len(healthy) + len(failed) >= cfg.nodes + cfg.standby
-    waited = now - s.phase_since > cfg.join_timeout_s
+    waited = now - s.phase_since > cfg.timeouts.join_timeout_s
     # A node whose pre-flight is still running is waited for: the check has deadlines
     # of its own (stage deadlines; inconclusive runs are retried a bounded number of times).
     checking = [
         n for n, o in obs.items()
-        if n not in s.pools and cfg.preflight != "off" and n not in s.checked_at
+        if n not in s.pools and cfg.preflight.level != "off" and n not in s.checked_at
         and is_alive(o, now, cfg)
     ]  # fmt: skip
     if (

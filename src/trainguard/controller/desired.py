@@ -4,11 +4,11 @@ what the agent reconciles toward. Pure."""
 from __future__ import annotations
 
 from trainguard.controller.api import (
-    JobConfig,
     NodeObs,
     Phase,
     Pool,
 )
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import (
     ACTIVE_PHASES,
     JobState,
@@ -33,17 +33,21 @@ def desired_for(
     rank = s.assignment.get(node_id)
     ckpt = CkptConf(
         dir=cfg.ckpt_dir,
-        shm_dir=cfg.shm_dir,
-        keep=cfg.keep_checkpoints,
-        memory_tier=cfg.memory_tier,
+        shm_dir=cfg.checkpoint.shm_dir,
+        keep=cfg.checkpoint.keep_checkpoints,
+        memory_tier=cfg.checkpoint.memory_tier,
     )
-    standby = s.pools.get(node_id) == Pool.STANDBY and cfg.prefetch_standby and cfg.memory_tier
+    standby = (
+        s.pools.get(node_id) == Pool.STANDBY
+        and cfg.checkpoint.prefetch_standby
+        and cfg.checkpoint.memory_tier
+    )
     idle = Idle(nproc_per_node=cfg.nproc_per_node, ckpt=ckpt, prefetch=standby)
     if rank is None or rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
         faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
-        grace = cfg.fault_stop_grace_s if faulted else cfg.stop_grace_s
+        grace = cfg.timeouts.fault_stop_grace_s if faulted else cfg.timeouts.stop_grace_s
         cause = s.recovery.fault.cause if faulted and s.recovery is not None else None
         if cause == FaultCause.SDC:
             # Corrupt state: SIGKILL at once. A script that saves on SIGTERM would persist
@@ -74,19 +78,19 @@ def desired_for(
         restore_memory=s.restore_memory,
         ckpt=ckpt,
         restarts=s.restarts,
-        max_restarts=cfg.max_restarts,
+        max_restarts=cfg.restart.max_restarts,
         injects=injects,
         script=cfg.script,
         launch=cfg.launch,
         log_dir=cfg.log_dir,
         script_args=list(cfg.script_args),
-        hang_timeout_s=cfg.hang_timeout_s,
-        hang_timeout_min_s=cfg.hang_timeout_min_s,
-        hang_timeout_max_s=cfg.hang_timeout_max_s,
-        first_step_timeout_s=cfg.first_step_timeout_s,
-        heartbeat_s=cfg.heartbeat_s,
-        node_timeout_s=cfg.node_timeout_s,
+        hang_timeout_s=cfg.timeouts.hang_timeout_s,
+        hang_timeout_min_s=cfg.timeouts.hang_timeout_min_s,
+        hang_timeout_max_s=cfg.timeouts.hang_timeout_max_s,
+        first_step_timeout_s=cfg.timeouts.first_step_timeout_s,
+        heartbeat_s=cfg.timeouts.heartbeat_s,
+        node_timeout_s=cfg.timeouts.node_timeout_s,
         replica_peers=replica_peers(s, node_id, obs, cfg, ring),
         replica_sources=s.restore_sources,
-        probe_every_s=cfg.probe_every_s if cfg.sdc_check else 0.0,
+        probe_every_s=cfg.sdc.probe_every_s if cfg.sdc.sdc_check else 0.0,
     )

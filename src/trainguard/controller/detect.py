@@ -8,11 +8,11 @@ from __future__ import annotations
 from trainguard.controller.analysis import localize_hang
 from trainguard.controller.api import (
     Fault,
-    JobConfig,
     NodeObs,
     Phase,
     WorkerObs,
 )
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import (
     Event,
     JobState,
@@ -95,11 +95,11 @@ def stuck_at_exit(
     ``exit_grace_s``: its work is over and its exit is stuck (a destructor blocked on a
     thread). It counts as finished (the end-of-job stop kills it); whether the job finished
     is then judged by its steps as for any rank. An epilogue that computes is never this."""
-    if w.state != "running" or _idle_s(w) < cfg.exit_grace_s:
+    if w.state != "running" or _idle_s(w) < cfg.timeouts.exit_grace_s:
         return False
     peers = [x for x in workers if x is not w]
     done = [x for x in peers if x.state == "succeeded"]
-    stuck = [x for x in peers if x.state == "running" and _idle_s(x) >= cfg.exit_grace_s]
+    stuck = [x for x in peers if x.state == "running" and _idle_s(x) >= cfg.timeouts.exit_grace_s]
     if not done or len(done) + len(stuck) < len(peers):
         return False
     events.append(
@@ -121,7 +121,11 @@ def _wedged_without_runtime(
     if s.phase != Phase.RUNNING or (workers and workers[0][1].runtime):
         return None  # any rank with the runtime rules this out (the first, checked cheaply)
     live = [(n, w) for n, w in workers if w.state == "running"]
-    limit = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else cfg.hang_timeout_max_s
+    limit = (
+        cfg.timeouts.hang_timeout_s
+        if cfg.timeouts.hang_timeout_s is not None
+        else cfg.timeouts.hang_timeout_max_s
+    )
     if len(live) < world_of(s, cfg) or any(w.runtime for _, w in live):
         return None
     if all(w.cpu_idle_s is not None and w.cpu_idle_s > limit for _, w in live):
@@ -168,7 +172,7 @@ def detect_fault(
         return node_fault(s, FaultCause.NODE_FENCED, fenced[0], now, now, why)
     failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
     culprits = [f for f in failed if not victim(f[2].error)]
-    settle_s = 2 * cfg.heartbeat_s
+    settle_s = 2 * cfg.timeouts.heartbeat_s
     if failed and not culprits and now - min(f[0] for f in failed) < settle_s:
         return None  # only victims so far: give the culprit's report (or node loss) a moment
     if failed and not culprits:
@@ -198,7 +202,7 @@ def detect_fault(
     if hung and any(w.in_trainguard for w in live):
         hung = []  # a rank waits inside trainguard (ckptd, a slot, durability): its deadlines bound it
     if hung:
-        n, w, how, waiting = localize_hang(workers, 2 * cfg.heartbeat_s + 1)
+        n, w, how, waiting = localize_hang(workers, 2 * cfg.timeouts.heartbeat_s + 1)
         victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
         return Fault(
             cause=FaultCause.HANG,
@@ -227,7 +231,7 @@ def detect_fault(
             f"steps, so which rank holds the others is unknown; rank {w.rank} on {n} idled "
             "longest)",
         )
-    if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.rendezvous_timeout_s:
+    if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.timeouts.rendezvous_timeout_s:
         return Fault(
             cause=FaultCause.RENDEZVOUS_TIMEOUT,
             generation=gen,
@@ -236,7 +240,7 @@ def detect_fault(
             step=None,
             t_fault=s.phase_since,
             t_detected=now,
-            message=f"not all ranks started in {cfg.rendezvous_timeout_s}s",
+            message=f"not all ranks started in {cfg.timeouts.rendezvous_timeout_s}s",
         )
     return None
 

@@ -156,7 +156,7 @@ class HttpApi:
         if (
             old is not None
             and old.incarnation != str(body["incarnation"])
-            and time.time() - old.last_seen < 2 * self.ctl.cfg.heartbeat_s + 0.5
+            and time.time() - old.last_seen < 2 * self.ctl.cfg.timeouts.heartbeat_s + 0.5
         ):
             # Another agent still reports under this node id (a rebooted node's old agent has
             # stopped reporting by now): two hosts share a name.
@@ -262,7 +262,7 @@ class HttpApi:
                 CheckConfig(),
                 self.ctl.store,
                 ckpt_dir=self.ctl.cfg.ckpt_dir,
-                shm_dir=self.ctl.cfg.shm_dir,
+                shm_dir=self.ctl.cfg.checkpoint.shm_dir,
             )
         if self.ctl.preflight.active is not None:
             return web.json_response(

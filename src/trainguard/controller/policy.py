@@ -6,11 +6,11 @@ and starting the next generation from the restore point. Pure."""
 from __future__ import annotations
 
 from trainguard.controller.api import (
-    JobConfig,
     NodeObs,
     Phase,
     Pool,
 )
+from trainguard.controller.config import JobConfig
 from trainguard.controller.detect import last_line, lost_nodes
 from trainguard.controller.jobstate import (
     Event,
@@ -89,7 +89,7 @@ def apply_policy(
     else:
         progressed = True  # nothing to judge progress by: the restart budget decides
     s.no_progress_generations = 0 if progressed else s.no_progress_generations + 1
-    if s.prestep_failures >= cfg.user_error_generations:
+    if s.prestep_failures >= cfg.restart.user_error_generations:
         s.reason = (
             f"user error: the script failed before its first step in {s.prestep_failures} "
             f"generations in a row; last error: {last_line(fault.message)}"
@@ -97,13 +97,13 @@ def apply_policy(
             else f"user error: the script failed before its first step report, "
             f"{s.prestep_failures} times in a row with the same error: {line}"
         )
-    elif s.no_progress_generations >= cfg.no_progress_generations:
+    elif s.no_progress_generations >= cfg.restart.no_progress_generations:
         s.reason = (
             f"no progress: {s.no_progress_generations} generations in a row without a new "
             + ("checkpoint" if s.seen_checkpoint else "step beyond the earlier generations'")
         )
-    elif s.restarts >= cfg.max_restarts:
-        s.reason = f"restart budget spent ({cfg.max_restarts} restarts); last fault: {fault.message.splitlines()[0]}"
+    elif s.restarts >= cfg.restart.max_restarts:
+        s.reason = f"restart budget spent ({cfg.restart.max_restarts} restarts); last fault: {fault.message.splitlines()[0]}"
     if s.reason:
         s.recoveries.append(s.recovery)
         s.recovery = None
@@ -132,7 +132,7 @@ def replace_and_restart(
         for n in s.assignment
         if n in obs and is_alive(obs[n], now, cfg) and (not obs[n].ckptd_idle or _stale(obs[n]))
     ]
-    if busy and cfg.memory_tier:
+    if busy and cfg.checkpoint.memory_tier:
         if s.persist_settle_until is None:
             s.persist_settle_until = now + PERSIST_SETTLE_S
         if now < s.persist_settle_until:
@@ -186,11 +186,11 @@ def replace_and_restart(
                 events,
                 f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby",
             )
-        elif now - s.phase_since > cfg.wait_for_nodes_timeout_s:
+        elif now - s.phase_since > cfg.timeouts.wait_for_nodes_timeout_s:
             s.reason = (
                 f"waited {now - s.phase_since:.0f}s for {len(lost) - len(spares)} node(s) to "
                 f"replace {', '.join(lost)}; none came (wait_for_nodes_timeout_s = "
-                f"{cfg.wait_for_nodes_timeout_s:.0f}); re-run with the same --run-dir to resume"
+                f"{cfg.timeouts.wait_for_nodes_timeout_s:.0f}); re-run with the same --run-dir to resume"
             )
             if s.recovery is not None:
                 s.recoveries.append(s.recovery)
@@ -221,10 +221,12 @@ def replace_and_restart(
         s.recovery.t_replaced = now
     if s.fallback:
         s.fallback = False
-        why = f"restart from an older checkpoint (restart {s.restarts} of {cfg.max_restarts})"
+        why = (
+            f"restart from an older checkpoint (restart {s.restarts} of {cfg.restart.max_restarts})"
+        )
     else:
         s.restarts += 1
-        why = f"restart {s.restarts} of {cfg.max_restarts}"
+        why = f"restart {s.restarts} of {cfg.restart.max_restarts}"
     start_generation(s, obs, cfg, now, events, durable, why)
 
 
@@ -263,15 +265,15 @@ def persist_planned_stop(
         busy = [
             n for n in s.assignment if n in obs and (not obs[n].ckptd_idle or _stale(obs[n]))
         ]  # an index asked before the stop may lack the last snapshot
-        if cfg.memory_tier and busy:
+        if cfg.checkpoint.memory_tier and busy:
             if s.persist_settle_until is None:
                 s.persist_settle_until = now + PERSIST_SETTLE_S
             if now < s.persist_settle_until:
                 return False
-        point = _held_by_every_rank(s, obs, cfg) if cfg.memory_tier else None
+        point = _held_by_every_rank(s, obs, cfg) if cfg.checkpoint.memory_tier else None
         if point is not None and (newest_durable is None or point[0] > newest_durable):
             s.persist = {"step": point[0], "generation": point[1],
-                         "deadline": now + cfg.stop_persist_timeout_s}  # fmt: skip
+                         "deadline": now + cfg.timeouts.stop_persist_timeout_s}  # fmt: skip
             events.append(("stop_persist_started", {"step": point[0], "last_step": last}))
             return False
         saved = newest_durable
@@ -281,7 +283,7 @@ def persist_planned_stop(
         return False
     else:
         events.append(("stop_persist_failed", {"step": s.persist["step"],
-                       "timeout_s": cfg.stop_persist_timeout_s}))  # fmt: skip
+                       "timeout_s": cfg.timeouts.stop_persist_timeout_s}))  # fmt: skip
         saved = newest_durable
     events.append(
         (

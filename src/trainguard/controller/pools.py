@@ -5,10 +5,10 @@ node alive, rebooted, a healthy standby; how many ranks the generation has. Pure
 from __future__ import annotations
 
 from trainguard.controller.api import (
-    JobConfig,
     NodeObs,
     Pool,
 )
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import (
     Event,
     JobState,
@@ -17,7 +17,7 @@ from trainguard.controller.jobstate import (
 
 
 def is_alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
-    return now - o.last_seen <= cfg.node_timeout_s
+    return now - o.last_seen <= cfg.timeouts.node_timeout_s
 
 
 def update_pools(
@@ -43,18 +43,18 @@ def _admit(s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Eve
     """A node seen for the first time joins standby, once it passed pre-flight (if on); a
     node that failed pre-flight joins quarantined (faulty), re-checked later."""
     node = o.node_id
-    if cfg.preflight != "off" and node not in s.checked_at:
+    if cfg.preflight.level != "off" and node not in s.checked_at:
         return  # being checked
     s.join_order.append(node)
     s.incarnations[node] = o.incarnation
-    if cfg.preflight != "off" and s.check_problems.get(node):
+    if cfg.preflight.level != "off" and s.check_problems.get(node):
         events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "faulty"}))
         why = "failed pre-flight: " + "; ".join(s.check_problems[node])
         mark_faulty(s, node, now, cfg, events, why)
         return
     s.pools[node] = Pool.STANDBY
     events.append(("node_joined", {"node": node, "addr": o.addr, "pool": "standby"}))
-    if cfg.preflight != "off":
+    if cfg.preflight.level != "off":
         events.append(
             (
                 "pool_changed",
@@ -70,7 +70,7 @@ def needs_recheck(
     and passes its host checks, but has no pre-flight verdict newer than its fault.
     ``checked_at``: its newest verdict's time when the caller knows one ``s`` does not have
     yet (a verdict handed to ``decide`` in this very tick)."""
-    if cfg.preflight == "off" or s.pools.get(o.node_id) != Pool.FAULTY or not o.health_ok:
+    if cfg.preflight.level == "off" or s.pools.get(o.node_id) != Pool.FAULTY or not o.health_ok:
         return False
     fresh = s.faulty_incarnations.get(o.node_id) != o.incarnation
     due = now >= s.recheck_at.get(o.node_id, now)
@@ -85,17 +85,23 @@ def _recheck(
     """Return a quarantined node to standby when its host checks pass and (pre-flight on) a
     pre-flight newer than its fault passed; else back off before the next re-check."""
     node = o.node_id
-    checked = cfg.preflight == "off" or s.checked_at.get(node, -1.0) > s.faulty_since.get(node, 0.0)
+    checked = cfg.preflight.level == "off" or s.checked_at.get(node, -1.0) > s.faulty_since.get(
+        node, 0.0
+    )
     if o.health_ok and not checked:
         return  # the coordinator is checking it
     failed = [] if o.health_ok else list(o.health_problems) or ["host checks fail"]
-    if cfg.preflight != "off":
+    if cfg.preflight.level != "off":
         failed += s.check_problems.get(node, [])
     if not failed:
         s.pools[node] = Pool.STANDBY
         s.recheck_at.pop(node, None)
         why = "node returned with a fresh agent" if fresh else "reachable again"
-        passed = "host checks pass" if cfg.preflight == "off" else "host checks and pre-flight pass"
+        passed = (
+            "host checks pass"
+            if cfg.preflight.level == "off"
+            else "host checks and pre-flight pass"
+        )
         events.append(
             (
                 "pool_changed",
@@ -103,9 +109,9 @@ def _recheck(
             )
         )
         return
-    if cfg.preflight != "off" and s.check_problems.get(node):  # a failed pre-flight: a fault
+    if cfg.preflight.level != "off" and s.check_problems.get(node):  # a failed pre-flight: a fault
         s.node_faults[node] = s.node_faults.get(node, 0) + 1
-        if s.node_faults[node] >= cfg.retire_after:
+        if s.node_faults[node] >= cfg.pool.retire_after:
             s.pools[node] = Pool.RETIRED
             s.recheck_at.pop(node, None)
             why = f"retired: failed {s.node_faults[node]} checks (last: {'; '.join(failed)})"
@@ -120,19 +126,19 @@ def _recheck(
 
 
 def _recheck_delay(cfg: JobConfig, faults: int) -> float:
-    return min(600.0, cfg.recheck_s * 2 ** max(0, faults - 1))
+    return min(600.0, cfg.pool.recheck_s * 2 ** max(0, faults - 1))
 
 
 def mark_faulty(
     s: JobState, node: str, now: float, cfg: JobConfig, events: list[Event], reason: str
 ) -> None:
     """Move a node to the faulty pool (re-checked later), or retire it after
-    ``cfg.retire_after`` faults."""
+    ``cfg.pool.retire_after`` faults."""
     before = s.pools.get(node)
     k = s.node_faults[node] = s.node_faults.get(node, 0) + 1
     s.faulty_incarnations[node] = s.gen_incarnations.get(node) or s.incarnations.get(node, "")
     s.faulty_since[node] = now
-    if k >= cfg.retire_after:
+    if k >= cfg.pool.retire_after:
         s.pools[node] = Pool.RETIRED
         s.recheck_at.pop(node, None)
         why = f"retired: lost {k} times (last: {reason})"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from trainguard.controller.api import JobConfig
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import JobState
 
 Fps = dict[int, tuple[int, int]]  # rank → (layout, value)

@@ -4,7 +4,8 @@ job state and the agents' reports (no I/O)."""
 
 from __future__ import annotations
 
-from trainguard.controller.api import JobConfig, NodeObs, Pool
+from trainguard.controller.api import NodeObs, Pool
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import JobState, suspect
 
 
@@ -56,7 +57,7 @@ def _replica_index(
     of that rank, by node name: one pass over the reports (the restore point and the
     replica sources then cost O(ranks + replicas), not O(ranks × nodes))."""
     out: dict[int, list[tuple[str, str, set[tuple[int, int]]]]] = {}
-    if not cfg.replicas:
+    if not cfg.checkpoint.replicas:
         return out
     for n in sorted(obs):
         o = obs[n]
@@ -72,7 +73,7 @@ def _replica_index(
 def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
     """rank → replica server of a live node holding the restore point for a rank whose own
     node does not (a replaced node's ranks)."""
-    if s.restore_step is None or s.restore_gen is None or not cfg.replicas:
+    if s.restore_step is None or s.restore_gen is None or not cfg.checkpoint.replicas:
         return {}
     point = (s.restore_step, s.restore_gen)
     held = _replica_index(s, obs, cfg)
@@ -102,18 +103,19 @@ def replica_peers(
     cfg: JobConfig,
     ring: list[str] | None = None,
 ) -> list[str]:
-    """Where ``node_id``'s ckptd replicates: the next ``cfg.replica_copies`` nodes by node
+    """Where ``node_id``'s ckptd replicates: the next ``cfg.checkpoint.replica_copies`` nodes by node
     rank (a ring); a one-node job replicates to standby nodes. ``ring``: ``ring_of(s)``,
     when the caller has it (then this is O(replica_copies))."""
-    if not cfg.replicas or node_id not in s.assignment:
+    if not cfg.checkpoint.replicas or node_id not in s.assignment:
         return []
     ring = ring if ring is not None else ring_of(s)
     if len(ring) > 1:
         i = s.assignment[node_id]
         peers = [
-            ring[(i + k) % len(ring)] for k in range(1, min(cfg.replica_copies, len(ring) - 1) + 1)
+            ring[(i + k) % len(ring)]
+            for k in range(1, min(cfg.checkpoint.replica_copies, len(ring) - 1) + 1)
         ]
     else:
         standby = sorted(n for n, p in s.pools.items() if p == Pool.STANDBY and n in obs)
-        peers = standby[: cfg.replica_copies]
+        peers = standby[: cfg.checkpoint.replica_copies]
     return [a for n in peers if n in obs and (a := obs[n].replica_addr)]

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 from trainguard.checkpoint.fingerprint import compare
 from trainguard.controller import recompute
-from trainguard.controller.api import Fault, JobConfig, Pool
+from trainguard.controller.api import Fault, Pool
+from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import Event, JobState, Suspicion, known_good
 from trainguard.controller.pools import mark_faulty
 from trainguard.protocol import FaultCause
@@ -61,7 +62,7 @@ def check_fingerprints(
     SDC, with culprits' nodes marked faulty and the suspect range recorded. A disagreement
     no majority decides is settled by recomputation (``recompute.py``; ``standby``: a
     healthy standby can take a held-out node's rank)."""
-    if not cfg.sdc_check or s.sdc_off:
+    if not cfg.sdc.sdc_check or s.sdc_off:
         return None
     for step, gen, fps in sorted(points):
         if gen != s.generation:
@@ -102,7 +103,7 @@ def check_fingerprints(
                 )
             )
             return None
-        verify = settled is None and cfg.sdc_recompute and bool(undecided)
+        verify = settled is None and cfg.sdc.sdc_recompute and bool(undecided)
         return _fault(
             s, now, cfg, events, step, culprits, undecided, fps if verify else None, standby
         )
@@ -227,7 +228,7 @@ def check_suspected(
     see (see the module): a fault with the suspect range recorded (no exemption for agreeing
     points) and a probed culprit's node marked faulty; None when the signs are of another
     generation, the check is off, or a gradient spike came back where it was recomputed."""
-    if not cfg.sdc_check:
+    if not cfg.sdc.sdc_check:
         return None
     for sign in signs:
         if sign.generation != s.generation:

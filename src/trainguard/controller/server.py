@@ -7,7 +7,6 @@ persisted, desired states published to the agents' long polls. Its HTTP endpoint
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
 import sys
@@ -23,14 +22,13 @@ from trainguard.checkpoint.archive import Archive
 from trainguard.checkpoint.archiver import Archiver, restore_newest
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import (
-    JobConfig,
     NodeObs,
     Phase,
     Pool,
-    split_host_port,
 )
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
+from trainguard.controller.config import JobConfig, split_host_port
 from trainguard.controller.decide import JobState, decide, desired_for
 from trainguard.controller.http import Dashboard, HttpApi
 from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses_changed, observe
@@ -116,7 +114,9 @@ class Controller:
             self.state = next_incarnation(rerun_of, time.time())
         else:
             self.state = JobState(phase_since=time.time())
-        self._resume_until = time.time() + cfg.node_timeout_s if resume is not None else 0.0
+        self._resume_until = (
+            time.time() + cfg.timeouts.node_timeout_s if resume is not None else 0.0
+        )
         self._back_since = 0.0  # reports older than this are stale (a freeze of this process)
         self._dirty: set[str] = set()  # nodes that reported since the last publish
         self._full_publish = True
@@ -142,10 +142,10 @@ class Controller:
         self._fingerprints = FingerprintIndex()
         self._risk = RiskWatch(
             RiskConfig(
-                ce_delta=cfg.risk_ce_delta,
-                window_s=cfg.risk_window_s,
-                temp_margin_c=cfg.risk_temp_margin_c,
-                temp_horizon_s=cfg.risk_temp_horizon_s,
+                ce_delta=cfg.risk.risk_ce_delta,
+                window_s=cfg.risk.risk_window_s,
+                temp_margin_c=cfg.risk.risk_temp_margin_c,
+                temp_horizon_s=cfg.risk.risk_temp_horizon_s,
             )
         )
         self._last_state = ""
@@ -155,30 +155,28 @@ class Controller:
         self.closing = False
         self.monitor = Monitor(
             DetectConfig(
-                window_steps=cfg.straggler_window_steps,
-                persist_windows=cfg.straggler_persist_windows,
-                grad_ratio=cfg.sdc_grad_ratio if cfg.sdc_check else 0.0,
+                window_steps=cfg.straggler.straggler_window_steps,
+                persist_windows=cfg.straggler.straggler_persist_windows,
+                grad_ratio=cfg.sdc.sdc_grad_ratio if cfg.sdc.sdc_check else 0.0,
             ),
-            cfg.alert_webhook,
+            cfg.metrics.alert_webhook,
         )
         self.monitor.registry.register(JobCollector(self._metric_state, self.monitor.figures))
         self.preflight: Preflight | None = None
-        if check_only or cfg.preflight != "off":
-            level = cfg.preflight if cfg.preflight != "off" else "quick"
+        if check_only or cfg.preflight.level != "off":
+            level = cfg.preflight.level if cfg.preflight.level != "off" else "quick"
             injects: dict[str, list[str]] = {}
             for spec in cfg.injects:  # gemm-wrong:…:step=S goes wrong in training (below)
                 if spec.kind == "gemm-wrong" and not spec.step:
                     injects.setdefault(f"node{spec.node}", []).append(spec.kind)
             self.preflight = Preflight(
-                check_cfg or CheckConfig(**{"level": level, **cfg.checks}), store, ckpt_dir=cfg.ckpt_dir,
-                shm_dir=cfg.shm_dir, injects=injects,
+                check_cfg or CheckConfig(**{"level": level, **cfg.preflight.checks}), store,
+                ckpt_dir=cfg.ckpt_dir, shm_dir=cfg.checkpoint.shm_dir, injects=injects,
             )  # fmt: skip
         if check_only:
             store.record("check_started", {"nodes": cfg.nodes})
             return
-        store.put(
-            "config", {**dataclasses.asdict(cfg), "injects": [i.to_json() for i in cfg.injects]}
-        )
+        store.put("config", {**cfg.to_flat(), "injects": [i.to_json() for i in cfg.injects]})
         if resume is not None:
             store.record(
                 "controller_restarted",
@@ -221,10 +219,10 @@ class Controller:
         server = site._server
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        if self.cfg.metrics_bind:  # a fixed address for Prometheus, open if metrics_open
-            mhost, mport = split_host_port(self.cfg.metrics_bind)
+        if self.cfg.metrics.metrics_bind:  # a fixed address for Prometheus, open if metrics_open
+            mhost, mport = split_host_port(self.cfg.metrics.metrics_bind)
             self._metrics_runner = web.AppRunner(
-                api.metrics_app(self.cfg.metrics_open), access_log=None
+                api.metrics_app(self.cfg.metrics.metrics_open), access_log=None
             )
             await self._metrics_runner.setup()
             try:
@@ -232,7 +230,7 @@ class Controller:
             except OSError as e:  # in use, or not an address of this host
                 await self.close()
                 raise ValueError(
-                    f"metrics_bind = {self.cfg.metrics_bind!r}: cannot listen there "
+                    f"metrics_bind = {self.cfg.metrics.metrics_bind!r}: cannot listen there "
                     f"({e.strerror or e}); pick a free port on an address of this host"
                 ) from None
         # The tick's thread hands the GIL to the loop's reports within 1 ms, not Python's
@@ -240,7 +238,7 @@ class Controller:
         # report latency's tail).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         gc.set_threshold(*GC_THRESHOLDS)
-        if self.cfg.archive_urls and not self.check_only:
+        if self.cfg.archive.archive_urls and not self.check_only:
             self._cold = asyncio.create_task(self._start_cold_tier(), name="cold-tier")
         self._tick_task = asyncio.create_task(self._tick_loop(), name="controller-tick")
         return self.host, self.port
@@ -254,16 +252,16 @@ class Controller:
         def emit(kind: str, **data: Any) -> None:
             loop.call_soon_threadsafe(self._cold_event, kind, data)
 
-        cfg = self.cfg
+        arc = self.cfg.archive
         archives = [
-            Archive(url, endpoint_url=cfg.archive_endpoint_url, concurrency=cfg.archive_concurrency,
-                    mbps=cfg.archive_mbps, compress=cfg.archive_compress)
-            for url in cfg.archive_urls
+            Archive(url, endpoint_url=arc.archive_endpoint_url, concurrency=arc.archive_concurrency,
+                    mbps=arc.archive_mbps, compress=arc.archive_compress)
+            for url in arc.archive_urls
         ]  # fmt: skip
-        root = Path(cfg.ckpt_dir)
+        root = Path(self.cfg.ckpt_dir)
         await asyncio.to_thread(restore_newest, archives, root, emit)
         for a in archives:
-            arch = Archiver(a, root, every=cfg.archive_every, keep=cfg.archive_keep, emit=emit)
+            arch = Archiver(a, root, every=arc.archive_every, keep=arc.archive_keep, emit=emit)
             arch.start()
             self._archivers.append(arch)
 
@@ -279,7 +277,7 @@ class Controller:
         if kind == "archive_uploaded":  # archived once archive_copies targets verified it
             held = self._copies.setdefault(int(data["step"]), set())
             held.add(str(data["url"]))
-            if len(held) == self.cfg.archive_copies:
+            if len(held) == self.cfg.archive.archive_copies:
                 self.store.record("archive_durable", {"step": data["step"], "copies": sorted(held)})
                 self._copies = {st: u for st, u in self._copies.items() if st > data["step"]}
         if kind in ("archive_failed", "checkpoint_corrupt"):
@@ -300,7 +298,7 @@ class Controller:
         if self._cold is not None and not self._cold.done():
             self._cold.cancel()  # a restore in flight finishes in its thread, unused
         if self._archivers:  # the final step reaches every cold target (bounded, in parallel)
-            limit = self.cfg.archive_final_timeout_s
+            limit = self.cfg.archive.archive_final_timeout_s
             await asyncio.gather(*(asyncio.to_thread(a.close, limit) for a in self._archivers))
             await asyncio.sleep(0)  # their last events reach the store
         self.closing = True  # long polls answer now, so the HTTP server stops at once
@@ -414,7 +412,7 @@ class Controller:
                 )
             )
         node = data.get("node")
-        if kind != "straggler" or self.cfg.straggler_action != "replace" or node is None:
+        if kind != "straggler" or self.cfg.straggler.straggler_action != "replace" or node is None:
             return
         if not self._standby_ready():
             self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
@@ -484,11 +482,11 @@ class Controller:
             return False
         mono = time.monotonic()
         gap, self._last_tick = mono - self._last_tick, mono
-        if gap > max(2.0, self.cfg.node_timeout_s / 2):
+        if gap > max(2.0, self.cfg.timeouts.node_timeout_s / 2):
             # This process was frozen (SIGSTOP, a stalled VM, swapping): every report it holds
             # is old, so no node is lost by its clock until each has reported again.
             self._back_since = time.time()
-            self._resume_until = self._back_since + self.cfg.node_timeout_s
+            self._resume_until = self._back_since + self.cfg.timeouts.node_timeout_s
             self.store.record("controller_paused", {"gap_s": round(gap, 2)})
             log.warning("controller was frozen for %.1fs: waiting for fresh reports", gap)
         if self._resume_until:
@@ -662,7 +660,8 @@ class Controller:
             self._full_publish
             or self.check_only
             or (self.preflight is not None and self.preflight.active is not None)
-            or now - self._last_full_publish > max(FULL_PUBLISH_S, 2 * self.cfg.heartbeat_s)
+            or now - self._last_full_publish
+            > max(FULL_PUBLISH_S, 2 * self.cfg.timeouts.heartbeat_s)
         )
         if full:
             self._last_full_publish, self._full_publish = now, False
@@ -704,7 +703,7 @@ class Controller:
     async def _tick_loop(self) -> None:
         # A tenth of the heartbeat, between TICK_S and 1 s: decisions lag a report by at most
         # that, and a lost node is decided within node_timeout_s + 1 s at any size.
-        interval = min(1.0, max(TICK_S, self.cfg.heartbeat_s / 10))
+        interval = min(1.0, max(TICK_S, self.cfg.timeouts.heartbeat_s / 10))
         if self._cold is not None:  # no generation starts before the cold tier's restore
             try:
                 await self._cold
