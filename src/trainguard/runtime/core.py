@@ -69,7 +69,9 @@ class Runtime:
         self._last_step: int | None = None
         self._slow_debt_s = 0.0
         self._steps_ended = 0  # in this process (its first step includes start-up)
-        self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        # What the training thread queues for the reporter: a step's record as it is (one
+        # object built per step), the other messages as sent.
+        self._queue: queue.SimpleQueue[Item | StepRecord] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
         self._agent: tuple[str, int] | None = None
@@ -255,7 +257,7 @@ class Runtime:
                 t_coll=t_coll,
                 gap=gap,
             )
-            self._queue.put(StepEnd(record))  # encoded on the reporter thread
+            self._queue.put(record)  # made a StepEnd and encoded on the reporter thread
         for spec in self._injects:
             self._maybe_fire(spec, step, duration)
 
@@ -326,7 +328,7 @@ class Runtime:
     def _report_loop(self) -> None:
         next_beat = 0.0
         while not self._closed.is_set():
-            batch: list[Item] = []
+            batch: list[Item | StepRecord] = []
             timeout = max(0.0, next_beat - time.monotonic())
             try:
                 batch.append(self._queue.get(timeout=timeout))
@@ -339,7 +341,7 @@ class Runtime:
                 next_beat = time.monotonic() + self._heartbeat_s
             # Agent gone: heartbeats resume if it returns; nothing is lost here.
             with contextlib.suppress(OSError):
-                self._send_now(Batch(tuple(batch)))
+                self._send_now(_batch(batch))
 
     def _beat(self) -> Heartbeat:
         fingerprint = None
@@ -395,16 +397,16 @@ class Runtime:
 
     def _flush(self) -> None:
         """Send every queued report now (atexit; bounded by the queue's length)."""
-        batch: list[Item] = []
+        batch: list[Item | StepRecord] = []
         with contextlib.suppress(queue.Empty, OSError):
             while True:
                 batch.append(self._queue.get_nowait())
                 if len(batch) == 64:
-                    self._send_now(Batch(tuple(batch)))
+                    self._send_now(_batch(batch))
                     batch = []
         with contextlib.suppress(OSError):
             if batch:
-                self._send_now(Batch(tuple(batch)))
+                self._send_now(_batch(batch))
 
     def close(self) -> None:
         """Stop the reporter thread (joined with a 2 s deadline) and send what it left."""
@@ -415,6 +417,10 @@ class Runtime:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _batch(queued: list[Item | StepRecord]) -> Batch:
+    return Batch(tuple(StepEnd(it) if isinstance(it, StepRecord) else it for it in queued))
 
 
 _runtime: Runtime | None = None
