@@ -53,6 +53,7 @@ from trainguard.protocol import (
     Stop,
     desired_from_json,
 )
+from trainguard.protocol import ckptd as ckptd_wire
 from trainguard.protocol.worker import (
     Alive,
     Batch,
@@ -425,13 +426,9 @@ class Agent:
             return
         try:
             for rank in ranks:
-                req = {
-                    "op": "verify",
-                    "rank": rank,
-                    "step": step,
-                    "generation": snap_gen,
-                    "for_generation": gen,
-                }
+                req = ckptd_wire.Verify(
+                    rank=rank, step=step, generation=snap_gen, for_generation=gen
+                )
                 c.call(req, timeout_s=300.0)
         except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
             log.warning("pre-verifying snapshots for generation %d failed: %s", gen, e)
