@@ -43,6 +43,8 @@ from typing import Any
 import psutil
 import torch
 
+from trainguard.protocol import ckptd as cw
+
 JOB, NODE = "bench", "node0"
 
 
@@ -98,7 +100,7 @@ def ckptd(tmp: Path, shm: Path, ckpt_dir: Path) -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError, ValueError):
             c = CkptdClient(socket_name(JOB, NODE), timeout_s=5.0)
-            c.call({"op": "shutdown", "unlink": True})
+            c.call(cw.Shutdown(unlink=True))
             c.close()
         try:
             proc.wait(timeout=120)
@@ -113,7 +115,7 @@ def wait_idle() -> None:
     c = CkptdClient(socket_name(JOB, NODE))
     try:
         deadline = time.monotonic() + 600
-        while not c.call({"op": "status"})["idle"] and time.monotonic() < deadline:
+        while not c.call(cw.Status()).idle and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         c.close()
@@ -256,20 +258,17 @@ def run(size_gb: float, repeats: int, rounds: int, base: Path) -> dict[str, Any]
             # workers start (rendezvous, model build); the worker's restore then only copies.
             c = CkptdClient(socket_name(JOB, NODE))
             t0 = time.perf_counter()
-            v = c.call(
-                {"op": "verify", "rank": 0, "step": step, "generation": 0, "for_generation": 0},
-                timeout_s=300,
-            )
+            v = c.call(cw.Verify(rank=0, step=step, generation=0, for_generation=0), timeout_s=300)
             r["tg_ckptd_verify_s"] = time.perf_counter() - t0
             c.close()
-            assert v["ok"], v
+            assert v.ok and v.slot is not None, v
             restores = []
             for _ in range(repeats):
                 copies.append(median_time(memcpy, 1))
                 restores.append(median_time(lambda: ov.load(state), 1))
             r["tg_restore_memory_s"] = statistics.median(restores)
             # Standalone (no ckptd): the worker checksums each chunk as it copies it.
-            slot = Path(v["slot"])
+            slot = Path(v.slot)
             h = snapshot.peek_header(slot)
             sums = snapshot.read_sums(slot, step, 0)
             flat_targets = {f"model.{k}": t for k, t in state["model"].items()}

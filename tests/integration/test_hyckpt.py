@@ -20,7 +20,9 @@ import torch
 
 from tests.conftest import ROOT, wait_for
 from trainguard.checkpoint import snapshot, storage
+from trainguard.checkpoint.api import CheckpointError
 from trainguard.checkpoint.ckptd import CkptdClient, socket_name, spawn
+from trainguard.protocol.ckptd import Alloc, Fetch, Forget, Shutdown, Status, StatusReply
 
 WORKER = ROOT / "tests" / "helpers" / "ckpt_worker.py"
 # ckptd listens on an abstract socket named after job and node: one name per test process
@@ -77,10 +79,10 @@ def _start_ckptd(tmp: Path, shm: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def _status() -> dict[str, object]:
+def _status() -> StatusReply:
     c = CkptdClient(socket_name(JOB, NODE))
     try:
-        return c.call({"op": "status"})
+        return c.call(Status())
     finally:
         c.close()
 
@@ -101,7 +103,7 @@ def ckptd(tmp_path: Path, shm: Path) -> Iterator[subprocess.Popen[bytes]]:
     yield d
     with contextlib.suppress(OSError, ValueError):
         c = CkptdClient(socket_name(JOB, NODE), timeout_s=2.0)
-        c.call({"op": "shutdown", "unlink": True})
+        c.call(Shutdown(unlink=True))
         c.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         d.wait(timeout=30)
@@ -116,9 +118,33 @@ def test_restore_from_memory_and_plain_durable(
     p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "3", "--size-mb", "8")
     assert p.wait(timeout=120) == 0, p.stderr.read() if p.stderr else ""
     assert storage.list_committed(tmp_path / "checkpoints") == [2, 3]  # keep = 2
-    mem = wait_for(lambda: _status()["memory"].get("0"), 10, "memory index")
+    mem = wait_for(lambda: _status().memory.get("0"), 10, "memory index")
     assert [3, 0] in mem and [2, 0] in mem
     assert _load(tmp_path, shm, (3, 0), "8") == {"step": 3, "bytes_ok": True, "pos": 30}
+
+
+def test_a_malformed_request_is_refused_with_its_reason_and_the_connection_serves_on(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    c = CkptdClient(socket_name(JOB, NODE))
+    try:
+        for line, says in (
+            (b'{"op": "alloc", "rank": 0}', "refused: alloc.nbytes: missing"),
+            (b'{"op": "alloc", "rank": "0", "nbytes": 8}', "refused: alloc.rank: an integer"),
+            (b'{"op": "defrag"}', "refused: op: one of alloc, staged, persist"),
+            (b'{"op": "status", "v": 99}', "refused: status: protocol version 99"),
+            (b"not json", "refused: not a JSON line"),
+        ):
+            c.f.write(line + b"\n")
+            c.f.flush()
+            reply = json.loads(c.f.readline())
+            assert set(reply) == {"v", "error"} and reply["error"].startswith(says), reply
+        assert not list(shm.iterdir())  # nothing was allocated
+        with pytest.raises(CheckpointError, match="no job token: replicas are off"):
+            c.call(Fetch(rank=0, step=1, generation=0, source="127.0.0.1:1"))  # an error reply
+        assert c.call(Status()).memory == {}  # the same connection still serves
+    finally:
+        c.close()
 
 
 def test_worker_sigkill_mid_copy_leaves_the_previous_slot_serving(
@@ -142,7 +168,7 @@ def test_worker_sigkill_mid_copy_leaves_the_previous_slot_serving(
     p.stdin.write("go\n")
     p.stdin.flush()
     wait_for(lambda: p.stdout.readline().strip() == "saved 1", 60, "step 1 staged")
-    wait_for(lambda: [1, 0] in _status()["memory"].get("0", []), 30, "step 1 verified")
+    wait_for(lambda: [1, 0] in _status().memory.get("0", []), 30, "step 1 verified")
     slots = snapshot.slot_paths(shm, JOB, NODE, 0)
 
     def copying() -> bool:  # the writer marked a slot WRITING: it is inside the 120 MiB copy
@@ -161,7 +187,7 @@ def test_worker_sigkill_mid_copy_leaves_the_previous_slot_serving(
     p.wait(timeout=10)
     headers = [snapshot.peek_header(s) for s in snapshot.slot_paths(shm, JOB, NODE, 0)]
     assert sorted(h["step"] for h in headers if h) == [1]  # step 2 torn, never used
-    assert _status()["memory"]["0"] == [[1, 0]]
+    assert _status().memory["0"] == [[1, 0]]
     assert _load(tmp_path, shm, (1, 0), "120") == {"step": 1, "bytes_ok": True, "pos": 10}
 
 
@@ -234,14 +260,14 @@ def test_ckptd_sigkill_during_persistence(
     try:
         # step 2's verified snapshot outlived both processes; the new ckptd finishes what the
         # old one was doing: it persists the durable-flagged snapshot again and commits it
-        assert _status()["memory"]["0"] == [[2, 0]]
+        assert _status().memory["0"] == [[2, 0]]
         assert _load(tmp_path, shm, (2, 0), "100") == {"step": 2, "bytes_ok": True, "pos": 20}
         root = tmp_path / "checkpoints"
         wait_for(lambda: 2 in storage.list_committed(root), 120, "step 2 to become durable")
         assert storage.verify(root, 2) == []
     finally:
         c = CkptdClient(socket_name(JOB, NODE))
-        c.call({"op": "shutdown", "unlink": True})
+        c.call(Shutdown(unlink=True))
         c.close()
         d2.wait(timeout=60)
 
@@ -279,14 +305,14 @@ def test_a_snapshot_staged_but_never_verified_is_adopted_and_persisted(
     try:
         wait_for(lambda: 2 in storage.list_committed(root), 120, "step 2 to become durable")
         assert storage.verify(root, 2) == []
-        adopted = [e for e in _status()["events"] if e["kind"] == "ckptd_adopted"]
+        adopted = [e for e in _status().events if e["kind"] == "ckptd_adopted"]
         assert adopted and any(
             n.startswith(f"trainguard-{JOB}-{NODE}-r0-s") for n in adopted[0].get("queued", [])
         ), adopted
         assert _load(tmp_path, shm, (2, 0), "4") == {"step": 2, "bytes_ok": True, "pos": 20}
     finally:
         c = CkptdClient(socket_name(JOB, NODE))
-        c.call({"op": "shutdown", "unlink": True})
+        c.call(Shutdown(unlink=True))
         c.close()
         d2.wait(timeout=60)
 
@@ -306,7 +332,7 @@ def test_disk_full_keeps_training_and_the_memory_tier(tmp_path: Path, shm: Path)
             events: list[dict[str, object]] = []
             wait_for(
                 lambda: (
-                    events.extend(_status()["events"])
+                    events.extend(_status().events)
                     or any(  # type: ignore[func-returns-value]
                         e["kind"] == "ckpt_persist_failed" for e in events
                     )
@@ -322,12 +348,12 @@ def test_disk_full_keeps_training_and_the_memory_tier(tmp_path: Path, shm: Path)
             assert committed and all(
                 not storage.verify(disk, s) for s in committed
             )  # nothing torn committed
-            newest_mem = max(s for s, _ in _status()["memory"]["0"])
+            newest_mem = max(s for s, _ in _status().memory["0"])
             assert newest_mem == 4  # the memory tier still has the newest step
             assert _load(tmp_path, shm, (4, 0), "2.5") == {"step": 4, "bytes_ok": True, "pos": 40}
         finally:
             c = CkptdClient(socket_name(JOB, NODE))
-            c.call({"op": "shutdown", "unlink": True})
+            c.call(Shutdown(unlink=True))
             c.close()
             d.wait(timeout=60)
     finally:
@@ -469,7 +495,7 @@ def test_a_rank_waiting_on_its_ckptd_sends_keepalives_for_the_whole_wait(
         spans = []
         for _ in range(20):
             t0 = time.monotonic()
-            assert "memory" in backend._call({"op": "status"})
+            assert isinstance(backend._call(Status()), StatusReply)
             spans.append((t0, time.monotonic()))
         for t in sent:
             assert any(a + KEEPALIVE_S <= t <= b + 0.1 for a, b in spans), (t, spans)
@@ -480,7 +506,7 @@ def test_a_rank_waiting_on_its_ckptd_sends_keepalives_for_the_whole_wait(
         resume.start()
         t0 = time.monotonic()
         try:
-            assert "memory" in backend._call({"op": "status"}, timeout_s=30.0)
+            assert isinstance(backend._call(Status(), timeout_s=30.0), StatusReply)
         finally:
             resume.join()
         t1 = time.monotonic()
@@ -492,7 +518,7 @@ def test_a_rank_waiting_on_its_ckptd_sends_keepalives_for_the_whole_wait(
         sent.clear()
         t0 = time.monotonic()
         with pytest.raises(CheckpointError, match="unreachable"):
-            backend._call({"op": "status"}, reconnect_s=6.0)
+            backend._call(Status(), reconnect_s=6.0)
         t1 = time.monotonic()
         assert len(sent) >= 3, sent
         assert _largest_gap(t0, sent, t1) < IN_TRAINGUARD_S / 2, [x - t0 for x in sent]
@@ -519,7 +545,7 @@ def test_two_threads_share_the_ckptd_connection_through_ckptd_restarts(
     def hammer(i: int) -> None:
         while not stop.is_set():
             try:
-                assert "memory" in backend._call({"op": "status"})
+                assert isinstance(backend._call(Status()), StatusReply)
                 answered[i] += 1
             except Exception as e:  # noqa: BLE001 - any failure is the finding
                 errors.append(f"{type(e).__name__}: {e}")
@@ -550,7 +576,7 @@ def test_two_threads_share_the_ckptd_connection_through_ckptd_restarts(
         waiting.join(timeout=60)
         assert not waiting.is_alive() and errors == [], errors
         with pytest.raises(CheckpointError, match="closed"):
-            backend._call({"op": "status"})
+            backend._call(Status())
     finally:
         stop.set()
         for t in threads:
@@ -559,7 +585,7 @@ def test_two_threads_share_the_ckptd_connection_through_ckptd_restarts(
             os.kill(daemon.pid, signal.SIGCONT)
             with contextlib.suppress(OSError, ValueError):
                 c = CkptdClient(socket_name(JOB, NODE), timeout_s=5.0)
-                c.call({"op": "shutdown", "unlink": True})
+                c.call(Shutdown(unlink=True))
                 c.close()
             daemon.wait(timeout=30)
 
@@ -576,27 +602,27 @@ def test_a_snapshot_whose_writer_died_before_telling_ckptd_is_taken_in_after_the
     try:
         tensors = {"w": torch.arange(1000, dtype=torch.float32) * 7}
         layout = snapshot.Layout.plan(tensors, 64)
-        req = {"op": "alloc", "rank": 0, "nbytes": layout.total_bytes}
-        path = Path(c.call(req)["slots"][0])
+        req = Alloc(rank=0, nbytes=layout.total_bytes)
+        path = Path(c.call(req).slots[0])
         s = snapshot.Slot(path, writable=True)
         s.begin()
         s.write_tensors(layout, tensors)
         meta = {"step": 7, "generation": 0, "rank": 0, "world_size": 1, "durable": True}
         s.commit(layout, pickle.dumps({}), meta)
         s.close()
-        assert c.call({"op": "status"})["memory"] == {}  # writers may still run: not yet
-        st = c.call({"op": "status", "rescan": True})
-        assert [e["result"] for e in st["events"] if e["kind"] == "ckpt_rescanned"] == ["queued"]
-        wait_for(lambda: [7, 0] in c.call({"op": "status"})["memory"].get("0", []), 30, "indexed")
+        assert c.call(Status()).memory == {}  # writers may still run: not yet
+        st = c.call(Status(rescan=True))
+        assert [e["result"] for e in st.events if e["kind"] == "ckpt_rescanned"] == ["queued"]
+        wait_for(lambda: [7, 0] in c.call(Status()).memory.get("0", []), 30, "indexed")
         root = tmp_path / "checkpoints"
         wait_for(lambda: 7 in storage.list_committed(root), 60, "step 7 to become durable")
         assert storage.verify(root, 7) == []
-        again = c.call({"op": "status", "rescan": True})  # known now: nothing taken in twice
-        assert not [e for e in again["events"] if e["kind"] == "ckpt_rescanned"], again["events"]
-        c.call({"op": "forget", "slot": str(path)})
-        after = c.call({"op": "status", "rescan": True})
-        assert after["memory"] == {} and not [
-            e for e in after["events"] if e["kind"] == "ckpt_rescanned"
+        again = c.call(Status(rescan=True))  # known now: nothing taken in twice
+        assert not [e for e in again.events if e["kind"] == "ckpt_rescanned"], again.events
+        c.call(Forget(slot=str(path)))
+        after = c.call(Status(rescan=True))
+        assert after.memory == {} and not [
+            e for e in after.events if e["kind"] == "ckpt_rescanned"
         ], after
     finally:
         c.close()
@@ -606,11 +632,11 @@ def test_a_snapshot_whose_writer_died_before_telling_ckptd_is_taken_in_after_the
     d2 = _start_ckptd(tmp_path, shm)
     try:
         st = wait_for(_status, 30, "the restarted ckptd")
-        adopted = [e for e in st["events"] if e["kind"] == "ckptd_adopted"]
+        adopted = [e for e in st.events if e["kind"] == "ckptd_adopted"]
         assert adopted and path.name in adopted[0].get("dropped", []), adopted
-        assert st["memory"] == {}
+        assert st.memory == {}
     finally:
         c2 = CkptdClient(socket_name(JOB, NODE))
-        c2.call({"op": "shutdown", "unlink": True})
+        c2.call(Shutdown(unlink=True))
         c2.close()
         d2.wait(timeout=60)

@@ -20,6 +20,7 @@ from trainguard import protocol
 from trainguard.agent.agent import Agent, AgentConfig
 from trainguard.agent.link import HTTPStatusError
 from trainguard.protocol import CkptConf, Run, Shutdown, Stop
+from trainguard.protocol import worker as pw
 from trainguard.runtime import wire
 
 TOKEN = "ab" * 16
@@ -246,3 +247,39 @@ def test_a_rank_that_stops_stepping_is_flagged_hung_with_every_stack(
     assert report["hang"] is True and hang["progress"] == {2: 1, 3: 1}
     pids = {2: launcher.started[0].pid, 3: launcher.started[1].pid}
     assert hang["stacks"] == {r: f"stack of pid {pid}" for r, pid in pids.items()}
+
+
+def test_a_malformed_worker_datagram_is_logged_and_dropped_and_the_next_one_is_taken(
+    parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent, launcher, link = parts
+    deliver(agent, link, 1, run_state(tmp_path, 0))
+    proc = launcher.started[0]
+    sender = {"rank": 2, "gen": 0, "pid": proc.pid}
+    record = protocol.StepRecord(step=4, t_end=time.time(), duration_s=0.01, loss=1.0)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for body in (
+            {**sender, "t": "step", "step": "four", "t_end": 1.0, "dur": 0.1},  # malformed
+            {**sender, "t": "batch", "items": [{"t": "alive"}, {"t": "warp"}]},  # one bad item
+        ):
+            data = wire.encode(bytes.fromhex(TOKEN), body)
+            sock.sendto(data, ("127.0.0.1", agent.report_port))
+        good = wire.encode_message(
+            bytes.fromhex(TOKEN),
+            pw.Sender(rank=2, pid=proc.pid, generation=0),
+            pw.Batch((pw.StepEnd(record), pw.Alive())),
+        )
+        sock.sendto(good, ("127.0.0.1", agent.report_port))
+    finally:
+        sock.close()
+    time.sleep(0.1)
+    with caplog.at_level(logging.WARNING, logger="trainguard.agent"):
+        agent.loop_once()
+    assert "dropped a malformed worker report: step: step record.step: an integer" in caplog.text
+    assert "dropped a malformed worker report: t: one of hb, step, alive, event" in caplog.text
+    w = agent.workers[2]
+    assert w.step == 4 and w.in_trainguard_mono is not None  # the whole good batch was taken
+    agent.report_once(timeout_s=1.0)
+    steps = link.reports[-1]["steps"]
+    assert steps == [{"generation": 0, "rank": 2, "items": [record.to_json()]}]

@@ -53,6 +53,16 @@ from trainguard.protocol import (
     Stop,
     desired_from_json,
 )
+from trainguard.protocol import ckptd as ckptd_wire
+from trainguard.protocol.worker import (
+    Alive,
+    Batch,
+    Heartbeat,
+    Sender,
+    StepEnd,
+    WorkerEvent,
+    WorkerMessage,
+)
 from trainguard.runtime import api as rt_api
 from trainguard.runtime import wire
 
@@ -416,13 +426,9 @@ class Agent:
             return
         try:
             for rank in ranks:
-                req = {
-                    "op": "verify",
-                    "rank": rank,
-                    "step": step,
-                    "generation": snap_gen,
-                    "for_generation": gen,
-                }
+                req = ckptd_wire.Verify(
+                    rank=rank, step=step, generation=snap_gen, for_generation=gen
+                )
                 c.call(req, timeout_s=300.0)
         except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
             log.warning("pre-verifying snapshots for generation %d failed: %s", gen, e)
@@ -515,68 +521,58 @@ class Agent:
                 return
 
     def _drain_udp(self, limit: int = 10_000) -> None:
-        """Handle pending worker reports, at most ``limit`` per loop so a flood cannot starve reconcile."""
+        """Handle pending worker reports, at most ``limit`` per loop so a flood cannot starve
+        reconcile. An unauthenticated or malformed datagram is logged and dropped."""
         for _ in range(limit):
             try:
                 data = self._sock.recv(65536)
             except BlockingIOError:
                 return
             try:
-                msg = wire.decode(self._token, data)
-            except (wire.WireAuthError, ValueError):
+                sender, msg = wire.decode_message(self._token, data)
+            except wire.WireAuthError:
                 log.warning("dropped an unauthenticated worker report")
                 continue
-            self._on_message(msg)
+            except ValueError as e:  # ProtocolError: signed, but not a message we take
+                log.warning("dropped a malformed worker report: %s", e)
+                continue
+            self._on_message(sender, msg)
 
-    def _on_message(self, msg: dict[str, Any]) -> None:
-        w = self.workers.get(int(msg.get("rank", -1)))
-        if w is None or msg.get("gen") != self.generation or msg.get("pid") != w.proc.pid:
+    def _on_message(self, sender: Sender, msg: WorkerMessage) -> None:
+        w = self.workers.get(sender.rank)
+        if w is None or sender.generation != self.generation or sender.pid != w.proc.pid:
             return
         now = time.monotonic()
-        items = msg["items"] if msg.get("t") == "batch" else [msg]
-        for it in items:
-            kind = it.get("t")
-            if kind == "hb":
-                since = now - w.last_hb_mono if w.last_hb_mono is not None else None
-                w.last_hb_mono = now
-                if "coll" in it:
-                    w.coll = (int(it["coll"][0]), int(it["coll"][1]))
-                if it.get("total") is not None:
-                    w.total_steps = int(it["total"])
-                if it.get("phase") or (since is not None and wk.working(w, it, since)):
-                    w.last_progress_mono = now
-            elif kind == "alive":
-                w.last_hb_mono = w.last_progress_mono = w.in_trainguard_mono = now
-            elif kind == "step":
-                w.last_hb_mono = now
-                if w.step is None or it["step"] > w.step:
-                    w.last_progress_mono, w.last_progress_at = now, it["t_end"]
-                w.step = it["step"]
-                w.durations.append(float(it["dur"]))
-                with self._lock:
-                    self._steps.setdefault((self.generation, w.rank), []).append(
-                        {
-                            k: it.get(k)
-                            for k in (
-                                "step",
-                                "t_end",
-                                "dur",
-                                "loss",
-                                "tokens",
-                                "gn",
-                                "sec",
-                                "tc",
-                                "gap",
-                            )
-                        }
-                    )
-            elif kind == "event":
-                ev = {k: v for k, v in it.items() if k not in ("t", "rank", "pid", "gen")}
-                if ev.get("kind") == "inject_fired" and (w.step is None or ev["step"] > w.step):
-                    w.step = int(ev["step"])  # the step it completed; its record may not have left
-                self._event(ev.pop("kind"), generation=self.generation, rank=w.rank, **ev)
-                if ev.get("inject", {}).get("kind") == "node-down":
-                    self._power_off()
+        for it in msg.items if isinstance(msg, Batch) else (msg,):
+            match it:
+                case Heartbeat():
+                    since = now - w.last_hb_mono if w.last_hb_mono is not None else None
+                    w.last_hb_mono = now
+                    if it.coll is not None:
+                        w.coll = it.coll
+                    if it.total_steps is not None:
+                        w.total_steps = it.total_steps
+                    if it.phase or (since is not None and wk.working(w, it, since)):
+                        w.last_progress_mono = now
+                case Alive():
+                    w.last_hb_mono = w.last_progress_mono = w.in_trainguard_mono = now
+                case StepEnd(record=rec):
+                    w.last_hb_mono = now
+                    if w.step is None or rec.step > w.step:
+                        w.last_progress_mono, w.last_progress_at = now, rec.t_end
+                    w.step = rec.step
+                    w.durations.append(rec.duration_s)
+                    with self._lock:
+                        steps = self._steps.setdefault((self.generation, w.rank), [])
+                        steps.append(rec.to_json())
+                case WorkerEvent():
+                    fired = it.fired_step
+                    if fired is not None and (w.step is None or fired > w.step):
+                        w.step = fired  # the step it completed; its record may not have left
+                    data = {**it.data, "ts": it.ts, "generation": self.generation, "rank": w.rank}
+                    self._event(it.kind, **data)
+                    if it.fired_kind == "node-down":
+                        self._power_off()
 
     def _power_off(self) -> None:
         """Injected node-down: SIGKILL every worker, spare and this agent, as a power loss would."""

@@ -15,10 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from trainguard.checkpoint import ckptd_client as ckptd_mod
 from trainguard.protocol import CkptConf, Desired, Run, Stop
+from trainguard.protocol import ckptd as wire
+
+R = TypeVar("R")
 
 log = logging.getLogger("trainguard.agent")
 # A live ckptd that has not answered its agent's status call for this long is killed and
@@ -106,7 +109,7 @@ class CkptdSupervisor:
         except ckptd_mod.CheckpointError as e:
             log.error("%s", e)
 
-    def _call(self, req: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def _call(self, req: wire.Request[R], timeout_s: float) -> R:
         if self._client is None:
             self._client = ckptd_mod.CkptdClient(ckptd_mod.socket_name(self.job_id, self.node_id))
         return self._client.call(req, timeout_s=timeout_s)
@@ -128,34 +131,34 @@ class CkptdSupervisor:
             self.refreshed_at = asked  # no daemon: nothing in memory, known now
             return []
         try:
-            st = self._call({"op": "status", "rescan": rescan}, timeout_s=2.0)
+            st = self._call(wire.Status(rescan=rescan), timeout_s=2.0)
         except (OSError, ValueError, ckptd_mod.CheckpointError):
             self._unanswered(self.proc)
             return []
         self._silent_since = None
         self.refreshed_at = asked
-        self.memory = st["memory"]
-        self.fingerprints = st.get("fingerprints", {})
-        self.idle = bool(st.get("idle", True))
-        self.replicas = st.get("replicas", {})
-        self.replica_addr = st.get("replica_addr")
+        self.memory = st.memory
+        self.fingerprints = st.fingerprints
+        self.idle = st.idle
+        self.replicas = st.replicas
+        self.replica_addr = st.replica_addr
         persist = desired.persist if isinstance(desired, Stop) else None
         if persist is not None and persist != self._persisted:
             try:  # a planned stop: write the newest snapshot held in memory to the durable tier
                 step, gen = persist
-                reply = self._call({"op": "persist", "step": step, "generation": gen}, 5.0)
+                reply = self._call(wire.Persist(step=step, generation=gen), 5.0)
                 self._persisted = persist
-                log.info("persisting step %d from memory (ranks %s)", step, reply["ranks"])
+                log.info("persisting step %d from memory (ranks %s)", step, list(reply.ranks))
             except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
                 log.warning("asking ckptd to persist step %s failed: %s", persist[0], e)
         want = list(desired.replica_peers) if isinstance(desired, Run) else []
         if want != self._peers:
             try:
-                self._call({"op": "set_peers", "addrs": want}, timeout_s=2.0)
+                self._call(wire.SetPeers(addrs=tuple(want)), timeout_s=2.0)
                 self._peers = want
             except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
                 log.warning("telling ckptd its replica peer failed: %s", e)
-        return list(st["events"])
+        return list(st.events)
 
     def _unanswered(self, proc: subprocess.Popen[bytes]) -> None:
         """A status call failed: after CKPTD_DEADLINE_S of that, kill it (frozen, stopped,
@@ -185,7 +188,7 @@ class CkptdSupervisor:
             client = ckptd_mod.CkptdClient(
                 ckptd_mod.socket_name(self.job_id, self.node_id), timeout_s=2.0
             )
-            client.call({"op": "shutdown", "unlink": True})
+            client.call(wire.Shutdown(unlink=True))
             client.close()
         try:
             self.proc.wait(timeout=STOP_DEADLINE_S)

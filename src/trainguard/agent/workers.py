@@ -23,6 +23,8 @@ from typing import IO, Any
 
 import psutil
 
+from trainguard.protocol.worker import Heartbeat
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -119,11 +121,11 @@ WORKING_CPU_SHARE = 1e-4
 IN_TRAINGUARD_S = 10.0
 
 
-def working(w: Worker, beat: dict[str, Any], since_s: float) -> bool:
+def working(w: Worker, beat: Heartbeat, since_s: float) -> bool:
     """Does heartbeat ``beat`` show a rank that is neither stuck nor idle: its main thread
     moved to other code or used CPU since the last beat (``since_s`` ago), and no collective
     it issued is outstanding (the collective sequence numbers)? Updates ``w``'s record."""
-    fp, cpu = beat.get("fp"), beat.get("cpu")
+    fp, cpu = beat.fingerprint, beat.cpu_s
     moved = fp is not None and w.fingerprint is not None and fp != w.fingerprint
     busy = (
         cpu is not None

@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from trainguard.checkpoint import snapshot
 from trainguard.checkpoint.api import CheckpointError
 from trainguard.checkpoint.ckptd_client import CkptdClient
 from trainguard.checkpoint.persister import Persister
+from trainguard.protocol import ckptd as wire
+
+R = TypeVar("R")
 
 log = logging.getLogger("trainguard.checkpoint")
 VERIFY_WAIT_S = 300.0  # a restore waits this long for ckptd's checksum of its snapshot
@@ -144,8 +147,8 @@ class CkptdBackend:
                 time.sleep(KEEPALIVE_S * 3 / 4)
 
     def _call(
-        self, req: dict[str, Any], timeout_s: float = ATTEMPT_S, reconnect_s: float = RECONNECT_S
-    ) -> dict[str, Any]:
+        self, req: wire.Request[R], timeout_s: float = ATTEMPT_S, reconnect_s: float = RECONNECT_S
+    ) -> R:
         with self._waiting():
             if not self._conn.acquire(timeout=self.HOLD_S + reconnect_s):
                 raise CheckpointError(
@@ -157,9 +160,7 @@ class CkptdBackend:
             finally:
                 self._conn.release()
 
-    def _attempts(
-        self, req: dict[str, Any], timeout_s: float, reconnect_s: float
-    ) -> dict[str, Any]:
+    def _attempts(self, req: wire.Request[R], timeout_s: float, reconnect_s: float) -> R:
         deadline = time.monotonic() + reconnect_s
         while True:
             try:
@@ -188,49 +189,38 @@ class CkptdBackend:
                 self._conn.release()
 
     def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
-        reply = self._call({"op": "alloc", "rank": rank, "nbytes": nbytes}, timeout_s=120.0)
-        return tuple(Path(p) for p in reply["slots"])
+        reply = self._call(wire.Alloc(rank=rank, nbytes=nbytes), timeout_s=120.0)
+        return tuple(Path(p) for p in reply.slots)
 
     def staged(self, rank: int, slot: Path, step: int, gen: int, durable: bool) -> None:
         self._call(
-            {
-                "op": "staged",
-                "rank": rank,
-                "slot": str(slot),
-                "step": step,
-                "generation": gen,
-                "durable": durable,
-            }
+            wire.Staged(rank=rank, slot=str(slot), step=step, generation=gen, durable=durable)
         )
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
-        req = {"op": "wait_durable", "step": step, "timeout_s": timeout_s}
+        req = wire.WaitDurable(step=step, timeout_s=timeout_s)
         reply = self._call(req, timeout_s=timeout_s + 10.0)
-        if reply.get("failed"):
-            raise CheckpointError(f"step {step} cannot become durable: {reply['failed']}")
-        return bool(reply["durable"])
+        if reply.failed:
+            raise CheckpointError(f"step {step} cannot become durable: {reply.failed}")
+        return reply.durable
 
     def forget(self, slot: Path) -> None:
         """Best effort: a ckptd that is down re-verifies slots when it restarts anyway."""
         with contextlib.suppress(CheckpointError):
-            self._call({"op": "forget", "slot": str(slot)}, reconnect_s=5.0)
+            self._call(wire.Forget(slot=str(slot)), reconnect_s=5.0)
 
     def fetch(self, rank: int, step: int, gen: int, source: str) -> None:
         """Have ckptd pull this rank's replica of (step, gen) from the peer at ``source`` into
         this node's slot. Raises CheckpointError (peer unreachable, no such replica, corrupt)."""
-        req = {"op": "fetch", "rank": rank, "step": step, "generation": gen, "source": source}
+        req = wire.Fetch(rank=rank, step=step, generation=gen, source=source)
         self._call(req, timeout_s=VERIFY_WAIT_S)
 
-    def verify(self, rank: int, step: int, gen: int, for_generation: int) -> dict[str, Any] | None:
+    def verify(
+        self, rank: int, step: int, gen: int, for_generation: int
+    ) -> wire.VerifyReply | None:
         """ckptd's verdict on the rank's snapshot of (step, gen) for this restart; None when
         ckptd is unreachable for 5 s (the caller then checksums the slot itself)."""
-        req = {
-            "op": "verify",
-            "rank": rank,
-            "step": step,
-            "generation": gen,
-            "for_generation": for_generation,
-        }
+        req = wire.Verify(rank=rank, step=step, generation=gen, for_generation=for_generation)
         try:
             return self._call(req, timeout_s=VERIFY_WAIT_S, reconnect_s=5.0)
         except CheckpointError as e:

@@ -717,14 +717,14 @@ class Checkpointer:
             reply = backend.verify(rank, step, gen, self._rt.generation)
             if reply is None:
                 pass  # ckptd is down: checksum the slot here, against the sums of its staging
-            elif not reply["ok"]:
-                if reply["slot"] is not None:  # corrupt: ckptd dropped it from its index
+            elif not reply.ok or reply.slot is None:
+                if reply.slot is not None:  # corrupt: ckptd dropped it from its index
                     self._rt.event(
-                        "ckpt_corrupt", step=step, tier="memory", problems=[reply["problem"]]
+                        "ckpt_corrupt", step=step, tier="memory", problems=[reply.problem]
                     )
                 return False
             else:
-                verified = Path(reply["slot"]).name
+                verified = Path(reply.slot).name
         for path in snapshot.slot_paths(shm, name_job, node, rank):
             h = snapshot.peek_header(path)
             if h is None or (h["step"], h["generation"]) != (step, gen):

@@ -6,25 +6,8 @@ tier. It outlives worker crashes; when it is restarted it re-adopts the slots th
 are still complete and verify.
 
 Protocol: JSON lines over a Unix stream socket in the abstract namespace
-(``\\0trainguard-ckptd-<job>-<node>``); only peers with our uid are served (SO_PEERCRED).
-
-- ``{"op": "alloc", "rank": r, "nbytes": n}`` → ``{"slots": [path0, path1]}`` or ``{"error": …}``
-- ``{"op": "staged", "rank", "slot", "step", "generation", "durable"}`` (the world size is in the slot's header) → ``{"ok": true}``
-- ``{"op": "persist", "step", "generation"}`` → ``{"ranks": [r, …]}``: queue the verified
-  copies of that snapshot held here for the durable tier (a planned stop)
-- ``{"op": "wait_durable", "step", "timeout_s"}`` → ``{"durable": bool}``
-- ``{"op": "verify", "rank", "step", "generation", "for_generation"}`` → ``{"slot": path | None,
-  "ok": bool, "problem": str | None}``: re-checksums the rank's slot holding that snapshot, once
-  per restarting generation (the agent asks as it launches the workers, so the check runs
-  during the restart; the worker's ask then finds it done and copies without checksumming)
-- ``{"op": "set_peers", "addrs": ["host:port", …]}`` → replicate verified snapshots there
-- ``{"op": "fetch", "rank", "step", "generation", "source"}`` → pulls that rank's replica from
-  the ckptd at ``source`` into this node's slot (verified), for a restore on a new node
-- ``{"op": "status", "rescan": bool}`` → ``{"memory": {rank: [[step, gen], …]},
-  "fingerprints": {rank: [[step, gen, layout, value], …]}, "events": […]}`` (events drained;
-  fingerprint.py); ``rescan``: the node's workers are gone, take in any complete snapshot
-  whose ``staged`` never came
-- ``{"op": "shutdown", "unlink": bool}`` → finishes pending work (60 s at most), exits
+(``\\0trainguard-ckptd-<job>-<node>``); only peers with our uid are served (SO_PEERCRED). One
+request type per operation and its reply type: ``protocol/ckptd.py``.
 """
 
 from __future__ import annotations
@@ -41,8 +24,9 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from trainguard.checkpoint import replica, snapshot
 from trainguard.checkpoint.api import CheckpointError
@@ -50,6 +34,8 @@ from trainguard.checkpoint.ckptd_client import CkptdClient, address, socket_name
 
 __all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name", "spawn"]
 from trainguard.checkpoint.persister import Persister
+from trainguard.protocol import ckptd as wire
+from trainguard.protocol.common import ProtocolError
 
 log = logging.getLogger("trainguard.ckptd")
 
@@ -135,16 +121,26 @@ class Ckptd:
             return
         with conn, conn.makefile("rwb") as f:
             for line in f:
-                try:
-                    reply = self._handle(json.loads(line))
-                except (KeyError, ValueError, CheckpointError) as e:
-                    reply = {"error": str(e)}
-                f.write(json.dumps(reply).encode() + b"\n")
+                reply = self._answer(line)
+                f.write(json.dumps(wire.reply_to_json(reply)).encode() + b"\n")
                 f.flush()
                 if self._stop.is_set():
                     return
 
-    def _verify(self, rank: int, step: int, gen: int) -> dict[str, Any]:
+    def _answer(self, line: bytes) -> wire.Reply | wire.ErrorReply:
+        """The reply to one request line: a refusal naming the problem if it is not one."""
+        try:
+            req = wire.request_from_json(json.loads(line))
+        except ProtocolError as e:
+            return wire.refused(e)
+        except ValueError as e:  # not JSON
+            return wire.ErrorReply(error=f"refused: not a JSON line ({e})")
+        try:
+            return self._handle(req)
+        except (KeyError, ValueError, CheckpointError) as e:
+            return wire.ErrorReply(error=str(e))
+
+    def _verify(self, rank: int, step: int, gen: int) -> wire.VerifyReply:
         """Re-checksum the rank's slot holding (step, gen) against the sums taken at staging."""
         for path in snapshot.slot_paths(self.shm_dir, self.job, self.node, rank):
             h = snapshot.peek_header(path)
@@ -152,103 +148,107 @@ class Ckptd:
                 continue
             sums = snapshot.read_sums(path, step, gen)
             if sums is None:
-                return {"slot": None, "ok": False, "problem": f"{path}: never verified at staging"}
+                return wire.VerifyReply(
+                    slot=None, ok=False, problem=f"{path}: never verified at staging"
+                )
             slot = snapshot.Slot(path, writable=False)
             try:
                 ok = slot.checksums(h) == sums
             finally:
                 slot.close()
             if ok:
-                return {"slot": str(path), "ok": True, "problem": None}
+                return wire.VerifyReply(slot=str(path), ok=True, problem=None)
             self.persister.forget(path)
             problem = f"{path}: step {step} fails its checksum (changed in memory since staging)"
-            return {"slot": str(path), "ok": False, "problem": problem}
-        return {
-            "slot": None,
-            "ok": False,
-            "problem": f"rank {rank} holds no snapshot of step {step}",
-        }
+            return wire.VerifyReply(slot=str(path), ok=False, problem=problem)
+        problem = f"rank {rank} holds no snapshot of step {step}"
+        return wire.VerifyReply(slot=None, ok=False, problem=problem)
 
-    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req["op"]
-        if op == "alloc":
-            paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, int(req["rank"]))
-            for p in paths:
-                snapshot.create_slot(p, int(req["nbytes"]))
-            return {"slots": [str(p) for p in paths]}
-        if op == "staged":
-            self.persister.staged(
-                int(req["rank"]),
-                Path(req["slot"]),
-                int(req["step"]),
-                int(req["generation"]),
-                bool(req["durable"]),
-            )
-            return {"ok": True}
-        if op == "persist":
-            ranks = self.persister.persist_held(int(req["step"]), int(req["generation"]))
-            self._emit("ckpt_persist_held", step=int(req["step"]), ranks=ranks)
-            return {"ranks": ranks}
-        if op == "wait_durable":
-            step = int(req["step"])
-            durable = self.persister.wait_durable(step, float(req["timeout_s"]))
-            return {"durable": durable, "failed": None if durable else self.persister.failure(step)}
-        if op == "verify":
-            key = (int(req["rank"]), int(req["step"]), int(req["generation"]))
-            with self._lock:
-                for k in [k for k in self._verifications if k[3] < int(req["for_generation"])]:
-                    del self._verifications[k]  # older restarts' results are stale
-                v = self._verifications.setdefault(
-                    (*key, int(req["for_generation"])), _Verification()
+    def _handle(self, req: wire.CkptdRequest) -> wire.Reply:
+        """Carry out one request. Raises CheckpointError (or ValueError) for an error reply."""
+        match req:
+            case wire.Alloc(rank=rank, nbytes=nbytes):
+                paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
+                for p in paths:
+                    snapshot.create_slot(p, nbytes)
+                return wire.AllocReply(slots=tuple(str(p) for p in paths))
+            case wire.Staged():
+                self.persister.staged(
+                    req.rank, Path(req.slot), req.step, req.generation, req.durable
                 )
-            result = v.result(lambda: self._verify(*key))
-            if result["slot"] is None:  # nothing here yet (a replica may be fetched): ask again
-                with self._lock:
-                    self._verifications.pop((*key, int(req["for_generation"])), None)
-            return result
-        if op == "forget":
-            self.persister.forget(Path(req["slot"]))
-            return {"ok": True}
-        if op == "status":
-            if req.get("rescan"):  # the node's workers are gone: any snapshot they finished
-                for rank, path in self._rank_slots():
-                    what = self.persister.rescan(rank, path)
-                    if what is not None:
-                        self._emit("ckpt_rescanned", rank=rank, slot=path.name, result=what)
+                return wire.OkReply()
+            case wire.Persist(step=step, generation=gen):
+                ranks = self.persister.persist_held(step, gen)
+                self._emit("ckpt_persist_held", step=step, ranks=ranks)
+                return wire.PersistReply(ranks=tuple(ranks))
+            case wire.WaitDurable(step=step, timeout_s=timeout_s):
+                durable = self.persister.wait_durable(step, float(timeout_s))
+                failed = None if durable else self.persister.failure(step)
+                return wire.WaitDurableReply(durable=durable, failed=failed)
+            case wire.Verify():
+                return self._verify_once(req)
+            case wire.Forget(slot=slot):
+                self.persister.forget(Path(slot))
+                return wire.OkReply()
+            case wire.Status(rescan=rescan):
+                return self._status(rescan)
+            case wire.SetPeers(addrs=addrs):
+                if self.replicator is not None:
+                    self.replicator.set_peers(list(addrs))
+                return wire.OkReply()
+            case wire.Fetch():
+                return self._fetch(req)
+            case wire.Shutdown(unlink=unlink):
+                self._unlink = unlink
+                self._stop.set()
+                return wire.OkReply()
+            case _:
+                assert_never(req)
+
+    def _verify_once(self, req: wire.Verify) -> wire.VerifyReply:
+        key = (req.rank, req.step, req.generation)
+        with self._lock:
+            for k in [k for k in self._verifications if k[3] < req.for_generation]:
+                del self._verifications[k]  # older restarts' results are stale
+            v = self._verifications.setdefault((*key, req.for_generation), _Verification())
+        result = v.result(lambda: self._verify(*key))
+        if result.slot is None:  # nothing here yet (a replica may be fetched): ask again
             with self._lock:
-                events, self._events = self._events, []
-            index = self.persister.memory_index()
-            return {
-                "memory": {str(r): v for r, v in index.items()},
-                "fingerprints": {str(r): v for r, v in self.persister.fingerprints().items()},
-                "events": events,
-                "idle": self.persister.idle(),
-                "replica_addr": self.replicas.addr if self.replicas else None,
-                "replicas": {str(r): v for r, v in self.replicas.index().items()}
-                if self.replicas
-                else {},
-            }
-        if op == "set_peers":
-            if self.replicator is not None:
-                self.replicator.set_peers([str(a) for a in req.get("addrs", [])])
-            return {"ok": True}
-        if op == "fetch":
-            if self.token is None:
-                raise CheckpointError("this ckptd has no job token: replicas are off")
-            rank, step, gen = int(req["rank"]), int(req["step"]), int(req["generation"])
-            dest = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)[0]
-            try:
-                replica.pull(str(req["source"]), self.token, dest, rank, step, gen)
-            except (OSError, ConnectionError) as e:
-                raise CheckpointError(f"fetching rank {rank}'s replica failed: {e}") from e
-            self.persister.adopt(rank, dest)
-            self._emit("replica_fetched", rank=rank, step=step, source=str(req["source"]))
-            return {"ok": True, "slot": str(dest)}
-        if op == "shutdown":
-            self._unlink = bool(req.get("unlink"))
-            self._stop.set()
-            return {"ok": True}
-        raise ValueError(f"unknown op {op!r}")
+                self._verifications.pop((*key, req.for_generation), None)
+        return result
+
+    def _status(self, rescan: bool) -> wire.StatusReply:
+        if rescan:  # the node's workers are gone: any snapshot they finished
+            for rank, path in self._rank_slots():
+                what = self.persister.rescan(rank, path)
+                if what is not None:
+                    self._emit("ckpt_rescanned", rank=rank, slot=path.name, result=what)
+        with self._lock:
+            events, self._events = self._events, []
+        index = self.persister.memory_index()
+        return wire.StatusReply(
+            memory={str(r): [list(p) for p in v] for r, v in index.items()},
+            fingerprints={str(r): v for r, v in self.persister.fingerprints().items()},
+            events=tuple(events),
+            idle=self.persister.idle(),
+            replica_addr=self.replicas.addr if self.replicas else None,
+            replicas={str(r): [list(p) for p in v] for r, v in self.replicas.index().items()}
+            if self.replicas
+            else {},
+        )
+
+    def _fetch(self, req: wire.Fetch) -> wire.FetchReply:
+        if self.token is None:
+            raise CheckpointError("this ckptd has no job token: replicas are off")
+        rank, step, gen = req.rank, req.step, req.generation
+        dest = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)[0]
+        try:
+            replica.pull(req.source, self.token, dest, rank, step, gen)
+        except (OSError, ConnectionError) as e:
+            raise CheckpointError(f"fetching rank {rank}'s replica failed: {e}") from e
+        self.persister.adopt(rank, dest)
+        self._emit("replica_fetched", rank=rank, step=step, source=req.source)
+        return wire.FetchReply(slot=str(dest))
 
 
 class _Verification:
@@ -256,9 +256,9 @@ class _Verification:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._result: dict[str, Any] | None = None
+        self._result: wire.VerifyReply | None = None
 
-    def result(self, compute: Any) -> dict[str, Any]:
+    def result(self, compute: Callable[[], wire.VerifyReply]) -> wire.VerifyReply:
         with self._lock:  # held while computing: concurrent askers wait for the one result
             if self._result is None:
                 self._result = compute()

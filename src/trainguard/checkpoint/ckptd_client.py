@@ -13,9 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from trainguard.checkpoint.api import CheckpointError
+from trainguard.protocol.ckptd import ErrorReply, Request, reply_from_json, request_to_json
+
+R = TypeVar("R")
 
 __all__ = ["CheckpointError", "CkptdClient", "address", "socket_name", "spawn"]
 
@@ -95,19 +98,23 @@ class CkptdClient:
         self.f = self.sock.makefile("rwb")
         self._lock = threading.Lock()
 
-    def call(self, req: dict[str, Any], *, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Send one request, wait for its reply. Raises CheckpointError on an error reply or
-        a dead daemon, OSError/TimeoutError past the deadline."""
+    def call(self, req: Request[R], *, timeout_s: float = 10.0) -> R:
+        """Send one request (``protocol/ckptd.py``), wait for its reply (``req.reply``).
+        Raises CheckpointError on an error reply, a malformed one or a dead daemon,
+        OSError/TimeoutError past the deadline."""
         with self._lock:
             self.sock.settimeout(timeout_s)
-            self.f.write(json.dumps(req).encode() + b"\n")
+            self.f.write(json.dumps(request_to_json(req)).encode() + b"\n")
             self.f.flush()
             line = self.f.readline()
         if not line:
             raise CheckpointError("ckptd closed the connection (it died or is restarting)")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise CheckpointError(reply["error"])
+        try:
+            reply = reply_from_json(req, json.loads(line))
+        except ValueError as e:  # ProtocolError, or not JSON
+            raise CheckpointError(f"ckptd's reply to {req.op} is malformed: {e}") from e
+        if isinstance(reply, ErrorReply):
+            raise CheckpointError(reply.error)
         return reply
 
     def close(self) -> None:

@@ -3,6 +3,9 @@
 - ``desired``: controller → agent, the desired state of a node (``Run``, ``Stop``, ``Idle``,
   ``Check``, ``Shutdown``).
 - ``report``: agent → controller, the heartbeat report (``validate_report``).
+- ``worker``: runtime → agent, the datagrams (``Heartbeat``, ``StepEnd``, ``Alive``,
+  ``WorkerEvent``, ``Batch``), signed by ``runtime/wire.py``.
+- ``ckptd``: a client → the node's ckptd, one request and one reply type per operation.
 - ``common``: the version, size bounds, ``ProtocolError`` and the enums the wires share.
 
 Every message is versioned (``PROTOCOL_VERSION``); a malformed one is refused with

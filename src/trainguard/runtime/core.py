@@ -33,6 +33,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from trainguard.faults.inject import InjectSpec, loads
+from trainguard.protocol.report import StepRecord
+from trainguard.protocol.worker import (
+    Alive,
+    Batch,
+    Heartbeat,
+    Item,
+    Sender,
+    StepEnd,
+    WorkerEvent,
+    WorkerMessage,
+)
 from trainguard.runtime import api, wire
 
 
@@ -58,7 +69,9 @@ class Runtime:
         self._last_step: int | None = None
         self._slow_debt_s = 0.0
         self._steps_ended = 0  # in this process (its first step includes start-up)
-        self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        # What the training thread queues for the reporter: a step's record as it is (one
+        # object built per step), the other messages as sent.
+        self._queue: queue.SimpleQueue[Item | StepRecord] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
         self._agent: tuple[str, int] | None = None
@@ -233,20 +246,18 @@ class Runtime:
         t_coll, self._first_issue = self._first_issue, None
         gap, self._gap = self._gap, None
         if self._agent is not None:
-            self._queue.put(
-                {
-                    "t": "step",
-                    "step": step,
-                    "t_end": now,
-                    "dur": duration,
-                    "loss": loss,
-                    "tokens": tokens,
-                    "gn": grad_norm,
-                    "sec": sections,
-                    "tc": t_coll,
-                    "gap": gap,
-                }
+            record = StepRecord(
+                step=step,
+                t_end=now,
+                duration_s=duration,
+                loss=loss,
+                tokens=tokens,
+                grad_norm=grad_norm,
+                sections=sections,
+                t_coll=t_coll,
+                gap=gap,
             )
+            self._queue.put(record)  # made a StepEnd and encoded on the reporter thread
         for spec in self._injects:
             self._maybe_fire(spec, step, duration)
 
@@ -256,36 +267,29 @@ class Runtime:
         without a new step, and marks the rank as waiting on trainguard, so that the peers
         it holds up in a collective are not called hung either."""
         if self._agent is not None:
-            self._queue.put({"t": "alive"})
+            self._queue.put(Alive())
 
     def event(self, kind: str, **data: Any) -> None:
         """Send a structured event (e.g. ``ckpt_load_end``) to the agent, off the training thread."""
         if self._agent is not None:
-            self._queue.put({"t": "event", "kind": kind, "ts": time.time(), **data})
+            self._queue.put(WorkerEvent(kind=kind, ts=time.time(), data=data))
 
     def event_now(self, kind: str, **data: Any) -> None:
         """Send an event synchronously, for one the process may not outlive (an error it is
         about to raise): on loopback the datagram is in the agent's buffer when this returns."""
         with contextlib.suppress(OSError):
-            self._send_now({"t": "event", "kind": kind, "ts": time.time(), **data})
+            self._send_now(WorkerEvent(kind=kind, ts=time.time(), data=data))
 
-    def _send_now(self, message: dict[str, Any]) -> None:
+    def _send_now(self, message: WorkerMessage) -> None:
         if self._sock is not None and self._agent is not None:
-            message.update(rank=self.rank, pid=os.getpid(), gen=self.generation)
-            self._sock.sendto(wire.encode(self._token, message), self._agent)
+            sender = Sender(rank=self.rank, pid=os.getpid(), generation=self.generation)
+            self._sock.sendto(wire.encode_message(self._token, sender, message), self._agent)
 
     def _fired(self, spec: InjectSpec, step: int) -> None:
         """Tell the agent ``spec`` fires at ``step``. Delivered synchronously: on loopback the
         datagram sits in the agent's socket buffer before the fault happens."""
-        self._send_now(
-            {
-                "t": "event",
-                "kind": "inject_fired",
-                "ts": time.time(),
-                "inject": spec.to_json(),
-                "step": step,
-            }
-        )
+        data = {"inject": spec.to_json(), "step": step}
+        self._send_now(WorkerEvent(kind="inject_fired", ts=time.time(), data=data))
 
     def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
         if spec.kind == "sdc":
@@ -324,7 +328,7 @@ class Runtime:
     def _report_loop(self) -> None:
         next_beat = 0.0
         while not self._closed.is_set():
-            batch: list[dict[str, Any]] = []
+            batch: list[Item | StepRecord] = []
             timeout = max(0.0, next_beat - time.monotonic())
             try:
                 batch.append(self._queue.get(timeout=timeout))
@@ -333,26 +337,27 @@ class Runtime:
             except queue.Empty:
                 pass
             if time.monotonic() >= next_beat:
-                beat = {
-                    "t": "hb",
-                    "ts": time.time(),
-                    "step": self._last_step,
-                    "coll": [self.coll_issued, self.coll_done],
-                    "cpu": self._main_cpu_s(),
-                }
-                # The heartbeat is this rank's life to its agent: never let it die (a beat
-                # without a fingerprint reads as no progress).
-                with contextlib.suppress(Exception):
-                    beat["fp"] = self._main_fingerprint()
-                if self._phases:
-                    beat["phase"] = self._phases[-1]
-                if self.total_steps is not None:
-                    beat["total"] = self.total_steps
-                batch.append(beat)
+                batch.append(self._beat())
                 next_beat = time.monotonic() + self._heartbeat_s
             # Agent gone: heartbeats resume if it returns; nothing is lost here.
             with contextlib.suppress(OSError):
-                self._send_now({"t": "batch", "items": batch})
+                self._send_now(_batch(batch))
+
+    def _beat(self) -> Heartbeat:
+        fingerprint = None
+        # The heartbeat is this rank's life to its agent: never let it die (a beat without a
+        # fingerprint reads as no progress).
+        with contextlib.suppress(Exception):
+            fingerprint = self._main_fingerprint()
+        return Heartbeat(
+            ts=time.time(),
+            step=self._last_step,
+            coll=(self.coll_issued, self.coll_done),
+            cpu_s=self._main_cpu_s(),
+            fingerprint=fingerprint,
+            phase=self._phases[-1] if self._phases else None,
+            total_steps=self.total_steps,
+        )
 
     def _main_fingerprint(self) -> int:
         """Where the main thread is: a hash of (file, line) of its innermost frames (16, or
@@ -392,16 +397,16 @@ class Runtime:
 
     def _flush(self) -> None:
         """Send every queued report now (atexit; bounded by the queue's length)."""
-        batch: list[dict[str, Any]] = []
+        batch: list[Item | StepRecord] = []
         with contextlib.suppress(queue.Empty, OSError):
             while True:
                 batch.append(self._queue.get_nowait())
                 if len(batch) == 64:
-                    self._send_now({"t": "batch", "items": batch})
+                    self._send_now(_batch(batch))
                     batch = []
         with contextlib.suppress(OSError):
             if batch:
-                self._send_now({"t": "batch", "items": batch})
+                self._send_now(_batch(batch))
 
     def close(self) -> None:
         """Stop the reporter thread (joined with a 2 s deadline) and send what it left."""
@@ -412,6 +417,10 @@ class Runtime:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _batch(queued: list[Item | StepRecord]) -> Batch:
+    return Batch(tuple(StepEnd(it) if isinstance(it, StepRecord) else it for it in queued))
 
 
 _runtime: Runtime | None = None

@@ -3,7 +3,9 @@
 A datagram is ``hex(hmac_sha256(token, body)) + b"\\n" + body`` where ``body`` is
 UTF-8 JSON. The agent verifies the HMAC before parsing the JSON (ARCHITECTURE §5:
 nothing received is decoded before it is authenticated). Datagrams stay below
-64 KiB, the UDP limit on loopback.
+64 KiB, the UDP limit on loopback. ``encode_message`` and ``decode_message`` carry the typed
+messages of ``protocol/worker.py`` (what the runtime and the agent use); ``encode`` and
+``decode`` are the framing under them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import hashlib
 import hmac
 import json
 from typing import Any
+
+from trainguard.protocol.worker import Sender, WorkerMessage, message_from_json, message_to_json
 
 MAX_DATAGRAM_BYTES = 60_000
 
@@ -42,3 +46,15 @@ def decode(token: bytes, data: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise WireAuthError("datagram body is not a JSON object")
     return message
+
+
+def encode_message(token: bytes, sender: Sender, msg: WorkerMessage) -> bytes:
+    """``msg`` from ``sender`` as a signed datagram. Raises ValueError past MAX_DATAGRAM_BYTES."""
+    return encode(token, message_to_json(sender, msg))
+
+
+def decode_message(token: bytes, data: bytes) -> tuple[Sender, WorkerMessage]:
+    """Authenticate, then parse a datagram. Raises WireAuthError on a bad or missing HMAC,
+    ProtocolError (a ValueError) naming the field of a malformed message, ValueError on
+    JSON that does not parse."""
+    return message_from_json(decode(token, data))
