@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainguard.checkpoint import device, storage
+from trainguard.checkpoint import device, storage, tiers
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import CheckpointError, CheckpointNotFoundError, rank_world, say
 from trainguard.checkpoint.backend import CkptdBackend, LocalBackend
 from trainguard.checkpoint.persister import WRITE_ERRORS
 from trainguard.checkpoint.pool import SLOT_WAIT_S, Lease, SlotPool, gc_paused
-from trainguard.checkpoint.tiers import TIERS, RankSide
+from trainguard.checkpoint.tiers import RankSide
 from trainguard.checkpoint.tiers.api import Failure
 from trainguard.checkpoint.tiers.disk import read_step
 from trainguard.faults import sdc
@@ -410,18 +410,18 @@ class Checkpointer:
         # After a world change the memory snapshots are the old world's ranks': DCP reshards.
         same_world = os.environ.get(rt_api.ENV_RESTORE_MEMORY, "1") != "0"
         side = self._rank_side(rank, memory=self.memory_tier and same_world)
+        tier, tried = tiers.restore(side, state, point)  # fastest first (tiers.TIERS)
+        if tier is not None:
+            self._rt.event(
+                "ckpt_load_end", step=step, tier=tier.name, duration_s=time.time() - t0,
+                **tier.details,
+            )  # fmt: skip
+            say(f"rank {rank} restored step {step} from {tier.where}")
+            return step
         failure, failed = None, ""
-        for kind in TIERS:  # fastest first; a tier without a verified copy passes it on
-            tier = kind(side)
-            if tier.restore(state, point):
-                self._rt.event(
-                    "ckpt_load_end", step=step, tier=tier.name, duration_s=time.time() - t0,
-                    **tier.details,
-                )  # fmt: skip
-                say(f"rank {rank} restored step {step} from {tier.where}")
-                return step
-            if tier.failure is not None:
-                failure, failed = tier.failure, tier.name
+        for t in tried:
+            if t.failure is not None:
+                failure, failed = t.failure, t.name
         if failure is None:
             missing = f"step {step} is in no tier of rank {rank}"
             failure, failed = Failure(CheckpointNotFoundError(missing), [missing]), "every"
