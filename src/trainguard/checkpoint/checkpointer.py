@@ -23,6 +23,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,7 @@ class Checkpointer:
         srcs: list[torch.Tensor],
         blob: bytes,
         meta: dict[str, Any],
-        staged: Any,
+        staged: Callable[[], None],
     ) -> None:
         """Copy ``srcs`` into the leased slot and publish it, then ``staged()``. Now: the
         host tensors that the optimizer does not own; with ``overlap``, the optimizer's on

@@ -1,11 +1,12 @@
 """One rank's snapshot slots (``snapshot.SLOTS`` of them): the pool plans their layout for the
 state, has the backend allocate them, picks the one a save may overwrite, and publishes it.
 
-A save is two calls: ``acquire(flat, nblob, …) → Lease`` (re-planned and re-allocated when the
-state's tensors or objects changed; the least recently written slot that no persister holds,
-locked), ``lease.write(…)`` for the tensors (in pieces, from several threads' points of view
-if need be), then ``publish(lease, blob, meta)``: the object blob and the header last, the slot
-COMPLETE, the lock released.
+A save: ``acquire(flat, nblob, …) → Lease`` (the layout re-planned and the slots re-allocated
+when the state's tensors or objects changed; the least recently written slot that no
+persister holds, locked and marked WRITING), ``lease.write(…)`` for the tensors (in parts if
+need be: some before ``save`` returns, the rest on the background copy's thread), then
+``publish(lease, blob, meta)``: the object blob and the header last, the slot COMPLETE, the
+lock released.
 """
 
 from __future__ import annotations
