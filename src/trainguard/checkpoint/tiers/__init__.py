@@ -17,14 +17,14 @@ TIERS: tuple[type[Tier], ...] = (MemoryTier, ReplicaTier, PrefetchTier, DiskTier
 
 
 def restore(
-    rank: RankSide, state: dict[str, Any], point: Point, order: tuple[type[Tier], ...] = TIERS
+    side: RankSide, state: dict[str, Any], point: Point, order: tuple[type[Tier], ...] = TIERS
 ) -> tuple[Tier | None, list[Tier]]:
     r"""Restore ``point`` into ``state`` from the first tier in ``order`` that holds a verified
     copy: that tier (None: none did) and every tier tried, in order (their ``failure``\ s say
     why they could not)."""
     tried: list[Tier] = []
     for kind in order:
-        tier = kind(rank)
+        tier = kind(side)
         tried.append(tier)
         if tier.restore(state, point):
             return tier, tried

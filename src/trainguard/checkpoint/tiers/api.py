@@ -89,23 +89,30 @@ class Tier(Protocol):
     ``ckpt_load_end`` event."""
 
     name: ClassVar[str]
-    rank: RankSide
+    side: RankSide
     details: dict[str, Any]
     failure: Failure | None
 
-    def __init__(self, rank: RankSide) -> None:
-        self.rank = rank
+    def __init__(self, side: RankSide) -> None:
+        self.side = side
         self.details = {}
         self.failure = None
 
     @staticmethod
-    def holds(index: Index) -> Held | None: ...
+    def holds(index: Index) -> Held | None:
+        """The points this tier can serve to which ranks (None: the controller does not
+        track it). Pure: the controller asks it while it decides."""
+        ...
 
     @property
     def where(self) -> str:
         return f"the {self.name} tier"
 
-    def restore(self, state: dict[str, Any], point: Point) -> bool: ...
+    def restore(self, state: dict[str, Any], point: Point) -> bool:
+        """Put ``point`` into ``state`` from a verified copy: True; False when this tier has
+        none (then ``failure``, if set, is what the rank raises should no later tier restore
+        it). Raises CheckpointError only when the saved state cannot fit the live one."""
+        ...
 
 
 def per_rank(index: Index, points: Callable[[int, str], set[Point]]) -> Held:

@@ -34,10 +34,10 @@ class DiskTier(Tier):
 
     @property
     def where(self) -> str:
-        return f"the durable tier ({self.rank.root})"
+        return f"the durable tier ({self.side.root})"
 
     def restore(self, state: dict[str, Any], point: Point) -> bool:
-        rk, step = self.rank, point[0]
+        rk, step = self.side, point[0]
         # The manifest, sizes and metadata now; each data file's checksum as it is read.
         problems, sums = storage.verify_for_load(rk.root, step)
         if problems:

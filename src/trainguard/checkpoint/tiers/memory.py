@@ -27,9 +27,9 @@ class MemoryTier(Tier):
         return per_rank(index, points)
 
     def restore(self, state: dict[str, Any], point: Point) -> bool:
-        if not self.rank.memory or not has_slot(self.rank, point):
+        if not self.side.memory or not has_slot(self.side, point):
             return False
-        return read_verified(self.rank, state, point)
+        return read_verified(self.side, state, point)
 
 
 def slot_paths(rk: RankSide) -> tuple[Path, ...]:

@@ -27,7 +27,7 @@ class PrefetchTier(Tier):
         restart"`` (its agent verified it whole for this generation: read without
         checksums) or ``"while read"`` (each file's CRC-32C as it is read). False (an event
         if it was there but failed): the next tier's read overwrites whatever was read."""
-        rk, (step, gen) = self.rank, point
+        rk, (step, gen) = self.side, point
         root = prefetch.present(rk.env.get(rt_api.ENV_PREFETCH_DIR), step, gen)
         if root is None:
             return False

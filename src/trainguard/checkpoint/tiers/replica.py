@@ -30,7 +30,7 @@ class ReplicaTier(Tier):
     def restore(self, state: dict[str, Any], point: Point) -> bool:
         from trainguard.checkpoint.backend import CkptdBackend
 
-        rk = self.rank
+        rk = self.side
         source = rk.env.get(rt_api.ENV_REPLICA_SOURCE, "")
         if not rk.memory or not source or has_slot(rk, point):
             return False  # not a replaced node's rank, or the memory tier had its copy
