@@ -221,17 +221,7 @@ class Checkpointer:
             else [i for i in range(len(srcs)) if i not in late and i not in dev]
         )
         late_host = [i for i in sorted(late) if i not in dev]
-        events: list[device.Event] = []
-        host_srcs = srcs
-        if on_dev:
-            stager = self._stager_for(srcs, on_dev)
-            groups = [[i for i in on_dev if i not in late], [i for i in on_dev if i in late]]
-            events = stager.start(srcs, groups)
-            stager.hold(events[0])  # the next forward's kernels queue behind the buffer copies
-            self._device_hold = (stager, events[1])  # the optimizer's pre-hook holds on this
-            host_srcs = list(srcs)
-            for i in on_dev:
-                host_srcs[i] = stager.buffers[i]
+        events, host_srcs = self._from_device(srcs, on_dev, late) if on_dev else ([], srcs)
         try:
             lease.write(srcs, now_host)
         except BaseException:
@@ -267,6 +257,22 @@ class Checkpointer:
             self._copy.start()
         else:
             finish()
+
+    def _from_device(
+        self, srcs: list[torch.Tensor], on_dev: list[int], late: set[int]
+    ) -> tuple[list[device.Event], list[torch.Tensor]]:
+        """Queue the device → pinned host copies of the GPU entries ``on_dev`` (two groups:
+        not optimizer-owned, then ``late``): their events, and ``srcs`` with those entries
+        replaced by their host buffers."""
+        stager = self._stager_for(srcs, on_dev)
+        groups = [[i for i in on_dev if i not in late], [i for i in on_dev if i in late]]
+        events = stager.start(srcs, groups)
+        stager.hold(events[0])  # the next forward's kernels queue behind the buffer copies
+        self._device_hold = (stager, events[1])  # the optimizer's pre-hook holds on this
+        host_srcs = list(srcs)
+        for i in on_dev:
+            host_srcs[i] = stager.buffers[i]
+        return events, host_srcs
 
     def _optimizer_owned(self, srcs: list[torch.Tensor]) -> set[int]:
         """Indices of ``srcs`` whose storage belongs to an attached optimizer's parameters or
