@@ -101,8 +101,9 @@ def main() -> int:
             for v in per_shard:
                 per_shard[v]["pos"] = 1000 + 10 * v + step
             ckpt.save(step, state)
-        assert ckpt._layout is not None  # the snapshot's layout: what this rank's slot holds
-        mine = sum(e.nbytes for e in ckpt._layout.tensors)
+        pool = ckpt._pool  # the snapshot's layout: what this rank's slot holds
+        assert pool is not None and pool.layout is not None
+        mine = sum(e.nbytes for e in pool.layout.tensors)
         ckpt.close()
         whole = full(app.state_dict())
         total = sum(t.numel() * t.element_size() for t in _tensors(whole))

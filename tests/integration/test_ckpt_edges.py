@@ -107,7 +107,8 @@ def test_skipped_snapshots_are_bounded_said_and_waiting_for_a_slot_is_not_a_skip
     for step in range(1, snapshot.SLOTS + 1):
         ck.save(step, state)  # every slot now holds a snapshot
     ck.wait_staged()
-    slots = [s.path for s in ck._slots]
+    assert ck._pool is not None
+    slots = [s.path for s in ck._pool.slots]
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import fcntl, sys, time\n"

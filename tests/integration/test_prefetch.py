@@ -39,6 +39,7 @@ from trainguard.checkpoint.prefetch import (
     verified,
     verify_for_restart,
 )
+from trainguard.checkpoint.tiers.prefetch import PrefetchTier
 from trainguard.runtime import api as rt_api
 
 
@@ -94,7 +95,8 @@ def test_a_copy_checked_at_the_restart_is_read_unchecked_and_a_changed_one_never
     kinds = [k for k, _ in seen]
     assert kinds == ["standby_prefetched", "standby_prefetch_verified"], seen
     live = {"w": torch.zeros(1 << 20), "b": torch.zeros(3)}
-    assert reader._load_prefetched(live, 0, 1, gen) == "at the restart"
+    tier = PrefetchTier(reader._rank_side(0, memory=False))
+    assert tier.restore(live, (1, gen)) and tier.details == {"checked": "at the restart"}
     assert all(torch.equal(live[k], state[k]) for k in state)
     # a bit flips in the copy after the agent's check: without it the rank's own catches it
     data = next(p for p in storage.step_dir(dest, 1).rglob("*.distcp"))
@@ -102,7 +104,8 @@ def test_a_copy_checked_at_the_restart_is_read_unchecked_and_a_changed_one_never
     blob[len(blob) // 2] ^= 1
     data.write_bytes(bytes(blob))
     (dest / VERIFIED).unlink()
-    assert reader._load_prefetched(live, 0, 1, gen) is None  # the caller reads the durable tier
+    tier = PrefetchTier(reader._rank_side(0, memory=False))
+    assert not tier.restore(live, (1, gen))  # the caller reads the next tier (the durable)
     found = verify_for_restart(dest, restart)  # the agent's check removes such a copy
     assert found is not None and "checksum mismatch" in found[1][0], found
     assert present(str(dest), 1, gen) is None and not verified(dest, 1, gen, restart)

@@ -1,6 +1,9 @@
-"""Checkpoint errors and layout constants."""
+"""Checkpoint errors, layout constants, and the rank's place (rank, world, its stderr line)."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 MANIFEST = "manifest.json"  # per step: file sizes and CRC-32C checksums, written before commit
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's global metadata file
@@ -32,3 +35,17 @@ def own_key(key: str, rank: int) -> bool:
     Every other key is replicated (or a DTensor shard) and persisted from rank 0 (DCP's rule)."""
     mine = f"{PER_RANK_KEY}.{rank}"
     return key == mine or key.startswith((mine + ".", PER_SHARD_KEY + "."))
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's (rank, world size): the process group's, else the launcher's variables."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def say(line: str) -> None:
+    """One line to the user on stderr (a re-run says where it resumed from)."""
+    print(f"trainguard: {line}", file=sys.stderr, flush=True)

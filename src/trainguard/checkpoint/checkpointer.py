@@ -19,74 +19,36 @@ it finishes before the optimizer next writes the parameters.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import gc
 import os
 import shutil
-import sys
 import threading
 import time
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainguard.checkpoint import device, prefetch, snapshot, storage
+from trainguard.checkpoint import device, storage, tiers
 from trainguard.checkpoint import sdc_drill as sdc
 from trainguard.checkpoint import state as state_mod
-from trainguard.checkpoint.api import (
-    PER_RANK_KEY,
-    PER_SHARD_KEY,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointReadError,
-)
+from trainguard.checkpoint.api import CheckpointError, CheckpointNotFoundError, rank_world, say
 from trainguard.checkpoint.backend import CkptdBackend, LocalBackend
 from trainguard.checkpoint.persister import WRITE_ERRORS
-from trainguard.checkpoint.reader import CorruptFileError, VerifyingReader
+from trainguard.checkpoint.pool import SLOT_WAIT_S, Lease, SlotPool, gc_paused
+from trainguard.checkpoint.tiers import RankSide
+from trainguard.checkpoint.tiers.api import Failure
+from trainguard.checkpoint.tiers.disk import read_step
 from trainguard.runtime import api as rt_api
 from trainguard.runtime.core import init as runtime_init
 
-SLOT_WAIT_S = 600.0  # a durable step waits this long for a slot the persister still holds
 DURABLE_WAIT_S = 600.0  # close()/wait() wait this long for the last durable step
-
-
-def _say(line: str) -> None:
-    """One line to the user on stderr (a re-run says where it resumed from)."""
-    print(f"trainguard: {line}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cycle collector off while a save walks the state: the shape objects of 10^5
-    tensors alive at once would set off full collections (each scanning every tensor) in the
-    middle of the step. Nothing here creates a reference cycle, so nothing is left for it."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
     local = getattr(t, "_local_tensor", None)  # a DTensor's storage is its local tensor's
     return int((local if local is not None else t).untyped_storage().data_ptr())
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class Checkpointer:
@@ -136,22 +98,16 @@ class Checkpointer:
         self.memory_tier = memory_tier
         self._rt = runtime_init()
         self._backend: LocalBackend | CkptdBackend | None = None
-        self._slots: list[snapshot.Slot] = []
-        self._layout: snapshot.Layout | None = None
-        self._written: dict[Path, dict[str, Any]] = {}  # slot → meta this process committed
-        self._static = ""  # the layout's static header (layout, mappings, shards) as JSON
-        # the mappings, shards and object keys it was built for (tensor keys: in the layout)
-        self._static_of: tuple[Any, Any, list[str]] = ({}, {}, [])
-        self._age: list[int] = []  # slot indices, least recently written first
+        self._pool: SlotPool | None = None  # this rank's snapshot slots
         self._copy: threading.Thread | None = None
         self._copied = threading.Event()  # the background copy is in memory (params may change)
         self._copied.set()
         self._copy_error: BaseException | None = None
         self._last_durable: int | None = None
-        self._tier = "memory"  # where the last load came from (memory | replica | durable)
         self._codec = state_mod.ObjectCodec()
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stager: device.Stager | None = None  # pinned staging of GPU entries
+        self._stager_plan = 0  # the pool's layout the stager's buffers were shaped for
         self._device_hold: tuple[device.Stager, device.Event] | None = None
         self.max_skipped, self._skipped = max_skipped, 0  # snapshots skipped in a row
         self._grad_flip: sdc.GradFlip | None = None  # an armed sdc:target=grad drill
@@ -178,48 +134,26 @@ class Checkpointer:
             self._rt.add_time("checkpoint", time.perf_counter() - t0)
 
     def _save(self, step: int, state: dict[str, Any], durable: bool | None) -> None:
-        drill = self._rt.sdc_drill(step)  # an injected silent corruption (tests, drills)
-        if drill is not None:
-            among = sdc.state_pointers(self._optimizers, drill.target) if self._optimizers else None
-            if among is None and drill.target == "optimizer":
-                raise ValueError("sdc drill target=optimizer: attach the optimizer first")
-            flipped = sdc.flip_bit(state, _rank_world()[0], drill.bit, among=among)
-            self._rt.event("sdc_injected", step=step, target=drill.target, **flipped)
+        self._inject_sdc(step, state)
         self.wait_staged()
-        durable = (
-            (self.durable_every > 0 and step % self.durable_every == 0)
-            if durable is None
-            else durable
-        )
+        if durable is None:
+            durable = self.durable_every > 0 and step % self.durable_every == 0
         if not self.memory_tier:
             self._save_sync(step, state)
             return
-        rank, world = _rank_world()
+        rank, world = rank_world()
         backend = self._connect()
-        with _gc_paused():
+        if self._pool is None:
+            self._pool = SlotPool(lambda n: backend.alloc(rank, n), self._rt.keepalive)
+        with gc_paused():
             flat = state_mod.flatten(state, rank, paths=False)  # paths only when re-planning
             blob = state_mod.pack_objects(self._codec.encode(flat.objects))
-            fits = (
-                self._layout is not None
-                and self._layout.fits(flat.tensors, len(blob))
-                and flat.shards == self._static_of[1]
-                and list(flat.objects) == self._static_of[2]
-            )
-        if not fits:
-            self._allocate(backend, rank, state_mod.flatten(state, rank), len(blob))
-        assert self._layout is not None
-        slot, lockf = self._take_slot(durable or self._skipped >= self.max_skipped)
-        if slot is None:
-            self._skipped += 1
-            self._rt.event(
-                "ckpt_skipped", step=step, skipped_in_a_row=self._skipped,
-                reason="every snapshot slot busy persisting (disk slower than the steps)",
-            )  # fmt: skip
-            if self._skipped == 1:
-                _say(
-                    f"rank {rank} skipped the snapshot of step {step}: every slot is still "
-                    f"being persisted; at most {self.max_skipped} in a row, then saves wait"
-                )
+        lease = self._pool.acquire(
+            flat, len(blob), lambda: state_mod.flatten(state, rank),
+            wait=durable or self._skipped >= self.max_skipped,
+        )  # fmt: skip
+        if lease is None:
+            self._skip(step, rank)
             return
         self._skipped = 0
         meta = {
@@ -230,10 +164,53 @@ class Checkpointer:
             "durable": durable,
             "time": time.time(),
         }
-        static = self._static
-        layout = self._layout
-        self._written.pop(slot.path, None)  # torn until committed
-        srcs = list(flat.tensors.values())
+
+        def staged() -> None:  # after the copy: the persister takes it from here
+            backend.staged(rank, lease.slot.path, step, self._rt.generation, durable)
+            if durable:
+                self._last_durable = step
+
+        self._stage(lease, list(flat.tensors.values()), blob, meta, staged)
+
+    def _inject_sdc(self, step: int, state: dict[str, Any]) -> None:
+        """An injected silent corruption of this step's state (tests, drills), if armed."""
+        drill = self._rt.sdc_drill(step)
+        if drill is None:
+            return
+        among = sdc.state_pointers(self._optimizers, drill.target) if self._optimizers else None
+        if among is None and drill.target == "optimizer":
+            raise ValueError("sdc drill target=optimizer: attach the optimizer first")
+        flipped = sdc.flip_bit(state, rank_world()[0], drill.bit, among=among)
+        self._rt.event("sdc_injected", step=step, target=drill.target, **flipped)
+
+    def _skip(self, step: int, rank: int) -> None:
+        """Every slot is still being persisted: this step is not snapshotted (said once a run)."""
+        self._skipped += 1
+        self._rt.event(
+            "ckpt_skipped", step=step, skipped_in_a_row=self._skipped,
+            reason="every snapshot slot busy persisting (disk slower than the steps)",
+        )  # fmt: skip
+        if self._skipped == 1:
+            say(
+                f"rank {rank} skipped the snapshot of step {step}: every slot is still "
+                f"being persisted; at most {self.max_skipped} in a row, then saves wait"
+            )
+
+    def _stage(
+        self,
+        lease: Lease,
+        srcs: list[torch.Tensor],
+        blob: bytes,
+        meta: dict[str, Any],
+        staged: Callable[[], None],
+    ) -> None:
+        """Copy ``srcs`` into the leased slot and publish it, then ``staged()``. Now: the
+        host tensors that the optimizer does not own; with ``overlap``, the optimizer's on
+        a background thread (``wait_copied`` holds its step), and GPU tensors through pinned
+        buffers (device → host copies queued now, the next forward's kernels behind those
+        of the non-optimizer buffers)."""
+        assert self._pool is not None
+        pool = self._pool
         late = self._optimizer_owned(srcs) if self.overlap else set()
         cpu = [t.is_cpu for t in srcs]
         on_dev = [] if all(cpu) else [i for i, c in enumerate(cpu) if not c]
@@ -244,47 +221,28 @@ class Checkpointer:
             else [i for i in range(len(srcs)) if i not in late and i not in dev]
         )
         late_host = [i for i in sorted(late) if i not in dev]
-        events: list[device.Event] = []
-        host_srcs = srcs
-        if on_dev:
-            stager = self._stager_for(srcs, on_dev)
-            groups = [[i for i in on_dev if i not in late], [i for i in on_dev if i in late]]
-            events = stager.start(srcs, groups)
-            stager.hold(events[0])  # the next forward's kernels queue behind the buffer copies
-            self._device_hold = (stager, events[1])  # the optimizer's pre-hook holds on this
-            host_srcs = list(srcs)
-            for i in on_dev:
-                host_srcs[i] = stager.buffers[i]
-        slot.begin()
+        events, host_srcs = self._from_device(srcs, on_dev, late) if on_dev else ([], srcs)
         try:
-            slot.write_tensors(layout, srcs, now_host)
+            lease.write(srcs, now_host)
         except BaseException:
-            fcntl.flock(lockf, fcntl.LOCK_UN)
-            lockf.close()
+            lease.release()
             raise
 
         def finish() -> None:
             try:
-                slot.write_tensors(layout, srcs, late_host)
+                lease.write(srcs, late_host)
                 if events:  # the optimizer may write the host parameters now
                     self._copied.set()
                 for ev in events:
                     ev.synchronize()
-                slot.write_tensors(layout, host_srcs, on_dev)
+                lease.write(host_srcs, on_dev)
                 # On the host, the header first: a snapshot the optimizer was let past is a
                 # complete one (ckptd takes it in even if this process dies before ``staged``)
-                slot.commit(layout, blob, meta, static)
-                self._copied.set()
-                self._written[slot.path] = meta
-                i = self._slots.index(slot)
-                self._age = [j for j in self._age if j != i] + [i]
+                pool.publish(lease, blob, meta)
             finally:
-                fcntl.flock(lockf, fcntl.LOCK_UN)
-                lockf.close()
+                lease.release()
                 self._copied.set()
-            backend.staged(rank, slot.path, step, self._rt.generation, durable)
-            if durable:
-                self._last_durable = step
+            staged()
 
         if self.overlap and (late or on_dev):
 
@@ -299,6 +257,22 @@ class Checkpointer:
             self._copy.start()
         else:
             finish()
+
+    def _from_device(
+        self, srcs: list[torch.Tensor], on_dev: list[int], late: set[int]
+    ) -> tuple[list[device.Event], list[torch.Tensor]]:
+        """Queue the device → pinned host copies of the GPU entries ``on_dev`` (two groups:
+        not optimizer-owned, then ``late``): their events, and ``srcs`` with those entries
+        replaced by their host buffers."""
+        stager = self._stager_for(srcs, on_dev)
+        groups = [[i for i in on_dev if i not in late], [i for i in on_dev if i in late]]
+        events = stager.start(srcs, groups)
+        stager.hold(events[0])  # the next forward's kernels queue behind the buffer copies
+        self._device_hold = (stager, events[1])  # the optimizer's pre-hook holds on this
+        host_srcs = list(srcs)
+        for i in on_dev:
+            host_srcs[i] = stager.buffers[i]
+        return events, host_srcs
 
     def _optimizer_owned(self, srcs: list[torch.Tensor]) -> set[int]:
         """Indices of ``srcs`` whose storage belongs to an attached optimizer's parameters or
@@ -315,9 +289,13 @@ class Checkpointer:
         return {i for i, t in enumerate(srcs) if _storage_ptr(t) in owned}
 
     def _stager_for(self, srcs: list[torch.Tensor], on_dev: list[int]) -> device.Stager:
-        if self._stager is None or set(self._stager.buffers) != set(on_dev):
+        plan = self._pool.plans if self._pool is not None else 0  # buffers of this layout's
+        stager = self._stager
+        if stager is None or self._stager_plan != plan or set(stager.buffers) != set(on_dev):
             dev = srcs[on_dev[0]].device
             self._stager = device.Stager({i: srcs[i] for i in on_dev}, device.backend_for(dev))
+            self._stager_plan = plan
+        assert self._stager is not None
         return self._stager
 
     def wait_copied(self, timeout_s: float = SLOT_WAIT_S) -> None:
@@ -381,65 +359,17 @@ class Checkpointer:
             )
         return self._backend
 
-    def _allocate(
-        self, backend: LocalBackend | CkptdBackend, rank: int, flat: state_mod.Flat, nblob: int
-    ) -> None:
-        """Plan the slots' layout for this state (tensor places, and a header reserve that
-        holds its static part) and have the backend create them."""
-        for s in self._slots:
-            s.close()
-        mappings = {k: list(v) for k, v in flat.mappings.items()}
-        shards = {k: r.to_json() for k, r in flat.shards.items()}
-        layout = snapshot.Layout.plan(flat.tensors, nblob)
-        static = layout.static_header(mappings, shards)
-        if snapshot.PREFIX_BYTES + len(static) + 4096 > layout.reserve:
-            layout = snapshot.Layout.plan(flat.tensors, nblob, header_bytes=len(static) + 4096)
-            static = layout.static_header(mappings, shards)
-        self._layout, self._static = layout, static
-        self._static_of = (flat.mappings, flat.shards, list(flat.objects))
-        paths = backend.alloc(rank, self._layout.total_bytes)
-        self._slots = [snapshot.Slot(p, writable=True) for p in paths]
-        self._age = list(range(len(self._slots)))
-        self._stager = None
-
-    def _take_slot(self, wait: bool) -> tuple[snapshot.Slot | None, Any]:
-        """Lock a slot the persister does not hold, the least recently written first (so the
-        newest snapshots stay whole). ``wait``: up to SLOT_WAIT_S (a durable step, or the skip
-        bound reached), else not."""
-        order = list(self._age)
-        deadline = time.monotonic() + (SLOT_WAIT_S if wait else 0.0)
-        alive = time.monotonic()
-        while True:
-            if time.monotonic() - alive > 1.0:  # waiting on our own machinery is not a hang
-                self._rt.keepalive()
-                alive = time.monotonic()
-            for i in order:
-                slot = self._slots[i]
-                lockf = open(slot.path, "rb")  # noqa: SIM115 - closed when the copy finishes
-                try:
-                    fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    lockf.close()
-                    continue
-                if snapshot.reusable(slot.path, self._written.get(slot.path)):
-                    return slot, lockf
-                fcntl.flock(lockf, fcntl.LOCK_UN)
-                lockf.close()
-            if time.monotonic() >= deadline:
-                return None, None
-            time.sleep(0.005)
-
     def _save_sync(self, step: int, state: dict[str, Any]) -> None:
         """Durable-only mode: DCP straight to disk, committed by atomic rename."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = storage.tmp_dir(self.root, step, self._rt.generation)
         try:
             dcp.save(
-                state_mod.with_rank_key(state, _rank_world()[0]),
+                state_mod.with_rank_key(state, rank_world()[0]),
                 checkpoint_id=str(tmp),
                 planner=state_mod.TypedSavePlanner(),
             )
-            if _rank_world()[0] == 0:
+            if rank_world()[0] == 0:
                 try:
                     storage.commit(tmp, self.root, step, generation=self._rt.generation)
                 except FileExistsError:  # a verified copy of this step is there: keep it
@@ -463,8 +393,9 @@ class Checkpointer:
         """Restore ``state`` in place from the agreed step; returns that step or None.
 
         Under ``trainguard run`` the step is the one the controller chose for every rank
-        (``$TRAINGUARD_RESTORE_STEP``); this rank reads it from its fastest verified tier:
-        its memory snapshot, else the durable copy. Standalone: the newest verified durable
+        (``$TRAINGUARD_RESTORE_STEP``); this rank reads it from its fastest tier with a
+        verified copy (``tiers.TIERS``: its memory snapshot, a peer's replica, this node's
+        prefetched copy, the durable copy). Standalone: the newest verified durable
         step. A corrupt copy is skipped with an event, never loaded. Keys the live state
         does not have yet (optimizer state created at the first ``step()``) are created from
         the saved ones. Sharded values (DTensor) restore from memory when this rank's shards
@@ -474,96 +405,56 @@ class Checkpointer:
         agreed step exists; CheckpointError when the saved state cannot be put into this one
         (the message names the key).
         """
-        rank, _ = _rank_world()
-        if self._rt.supervised:
-            step = self._rt.restore_step
-            if step is None:
-                return None
-            gen = int(os.environ.get(rt_api.ENV_RESTORE_GEN, "-1"))
-            t0 = time.time()
-            self._rt.event("ckpt_load_start", step=step)
-            self._tier = "memory"
-            # After a world change the memory snapshots are the old world's ranks': DCP reshards.
-            same_world = os.environ.get(rt_api.ENV_RESTORE_MEMORY, "1") != "0"
-            if self.memory_tier and same_world and self._load_memory(state, rank, step, gen):
-                self._rt.event(
-                    "ckpt_load_end", step=step, tier=self._tier, duration_s=time.time() - t0
-                )
-                _say(f"rank {rank} restored step {step} from the {self._tier} tier")
-                return step
-            checked = self._load_prefetched(state, rank, step, gen)
-            if checked is not None:
-                self._rt.event(
-                    "ckpt_load_end",
-                    step=step,
-                    tier="prefetched",
-                    duration_s=time.time() - t0,
-                    checked=checked,
-                )
-                _say(f"rank {rank} restored step {step} from this node's prefetched copy")
-                return step
-            # The manifest, sizes and metadata now; each data file's checksum as it is read.
-            problems, sums = storage.verify_for_load(self.root, step)
-            if problems:
-                missing = not storage.step_dir(self.root, step).exists()
-                self._restore_failed(rank, step, gen, "durable", problems)
-                if missing:
-                    raise CheckpointNotFoundError(
-                        f"step {step} is in no tier of rank {rank} (memory or {self.root}); "
-                        "the controller restarts from an older checkpoint"
-                    )
-                raise CheckpointCorruptError(
-                    f"step {step}: {'; '.join(problems)}; the controller restarts from an "
-                    "older checkpoint"
-                )
-            try:  # whole tensors straight into the live ones, no read buffer copied out
-                self._load_durable(state, rank, step, sums, direct=True)
-            except CheckpointCorruptError as e:
-                self._restore_failed(rank, step, gen, "durable", [str(e)])
-                raise CheckpointCorruptError(
-                    f"step {step}: {e}; the controller restarts from an older checkpoint"
-                ) from None
-            except CheckpointReadError as e:
-                self._restore_failed(rank, step, gen, "durable", [str(e)])
-                raise
-            self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
-            _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
-            return step
-        else:
-            step, skipped = storage.newest_verified(self.root)
-            for bad, problems in skipped.items():
-                self._rt.event("ckpt_corrupt", step=bad, tier="durable", problems=problems)
-            if step is None:
-                return None
-            t0 = time.time()
-            self._rt.event("ckpt_load_start", step=step)
-        self._load_durable(state, rank, step)
-        self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
-        _say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
-        return step
-
-    def _load_prefetched(self, state: dict[str, Any], rank: int, step: int, gen: int) -> str | None:
-        """Restore durable ``step`` from this node's prefetched copy (a standby that took a
-        lost node's place: ``prefetch.py``) if it holds that step of generation ``gen``.
-        Returns how it was checked: ``"at the restart"`` (its agent verified it whole for
-        this generation: read without checksums) or ``"while read"`` (each file's CRC-32C as
-        it is read). None (an event if it was there but failed): read the durable tier
-        instead, which overwrites whatever was read."""
-        root = prefetch.present(os.environ.get(rt_api.ENV_PREFETCH_DIR), step, gen)
-        if root is None:
+        rank, _ = rank_world()
+        if not self._rt.supervised:
+            return self._load_newest(state, rank)
+        step = self._rt.restore_step
+        if step is None:
             return None
-        before = prefetch.verified(root, step, gen, self._rt.generation)
-        problems, sums = storage.verify_for_load(root, step)
-        if not problems:
-            try:
-                self._load_durable(
-                    state, rank, step, sums, root=root, direct=True, checksums=not before
-                )
-                return "at the restart" if before else "while read"
-            except (CheckpointCorruptError, CheckpointReadError) as e:
-                problems = [str(e)]
-        self._rt.event("ckpt_corrupt", step=step, tier="prefetched", problems=problems[:4])
-        return None
+        point = (step, int(os.environ.get(rt_api.ENV_RESTORE_GEN, "-1")))
+        t0 = time.time()
+        self._rt.event("ckpt_load_start", step=step)
+        # After a world change the memory snapshots are the old world's ranks': DCP reshards.
+        same_world = os.environ.get(rt_api.ENV_RESTORE_MEMORY, "1") != "0"
+        side = self._rank_side(rank, memory=self.memory_tier and same_world)
+        tier, tried = tiers.restore(side, state, point)  # fastest first (tiers.TIERS)
+        if tier is not None:
+            self._rt.event(
+                "ckpt_load_end", step=step, tier=tier.name, duration_s=time.time() - t0,
+                **tier.details,
+            )  # fmt: skip
+            say(f"rank {rank} restored step {step} from {tier.where}")
+            return step
+        failure, failed = None, ""
+        for t in tried:
+            if t.failure is not None:
+                failure, failed = t.failure, t.name
+        if failure is None:
+            missing = f"step {step} is in no tier of rank {rank}"
+            failure, failed = Failure(CheckpointNotFoundError(missing), [missing]), "every"
+        self._restore_failed(rank, step, point[1], failed, failure.problems)
+        raise failure.error
+
+    def _rank_side(self, rank: int, *, memory: bool) -> RankSide:
+        """What the tiers read this rank's copies with."""
+        return RankSide(
+            rank=rank, generation=self._rt.generation, root=self.root, memory=memory,
+            backend=self._connect, emit=self._rt.event, env=os.environ,
+        )  # fmt: skip
+
+    def _load_newest(self, state: dict[str, Any], rank: int) -> int | None:
+        """Standalone (not under ``trainguard run``): the newest verified durable step."""
+        step, skipped = storage.newest_verified(self.root)
+        for bad, problems in skipped.items():
+            self._rt.event("ckpt_corrupt", step=bad, tier="durable", problems=problems)
+        if step is None:
+            return None
+        t0 = time.time()
+        self._rt.event("ckpt_load_start", step=step)
+        read_step(state, rank, self.root, step, emit=self._rt.event)
+        self._rt.event("ckpt_load_end", step=step, tier="durable", duration_s=time.time() - t0)
+        say(f"rank {rank} restored step {step} from the durable tier ({self.root})")
+        return step
 
     def _restore_failed(
         self, rank: int, step: int, gen: int, tier: str, problems: list[str]
@@ -578,219 +469,6 @@ class Checkpointer:
             tier=tier,
             problems=problems[:4],
         )
-
-    def _load_durable(
-        self,
-        state: dict[str, Any],
-        rank: int,
-        step: int,
-        sums: dict[str, dict[str, Any]] | None = None,
-        *,
-        root: Path | None = None,
-        direct: bool = False,
-        checksums: bool = True,
-    ) -> None:
-        """Read this rank's keys of durable ``step`` into ``state``. ``sums``: the step's
-        manifest files: each file read is checked against them as it is read (one pass,
-        ``reader.VerifyingReader``); None: the step was verified whole already. Raises
-        CheckpointCorruptError for a file that does not match (``state`` may then hold some
-        of its values: do not go on with it), CheckpointReadError when a file cannot be read
-        (permissions, I/O error, vanished), CheckpointError when the saved keys do not fit
-        the live state. ``direct``: whole tensors are read straight into the live ones
-        (``VerifyingReader``); ``checksums=False``: it was checked whole just before (sizes
-        are still checked)."""
-        root = self.root if root is None else root
-        path = storage.step_dir(root, step)
-        try:
-            md = dcp.FileSystemReader(str(path)).read_metadata()
-        except OSError as e:
-            raise CheckpointReadError(f"step {step} of {root}: {e}") from e
-        saved_md = md.state_dict_metadata
-        conv = state_mod.converted(state, rank)
-        self._account_per_rank(conv, saved_md, rank, step)
-        live, _ = state_mod.flatten_typed(conv)
-        paths = md.planner_data if isinstance(md.planner_data, dict) else {}
-        saved = {
-            k: (
-                (m.properties.dtype, tuple(m.size), tuple(paths.get(k, ())))
-                if isinstance(m, TensorStorageMetadata)
-                else (None, (), tuple(paths.get(k, ())))
-            )
-            for k, m in saved_md.items()
-        }
-        filled = state_mod.fill_missing(conv, live, saved)
-        state_mod.replace_overlapping(conv)
-        if filled:
-            self._rt.event("ckpt_keys_created", step=step, tier="durable", count=len(filled))
-        # no_dist: each rank reads its own keys (DTensor targets: the chunks overlapping its
-        # shard); a collective here would deadlock against ranks that restore from memory.
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.load(
-                    conv,
-                    checkpoint_id=str(path),
-                    storage_reader=VerifyingReader(path, sums, direct=direct, checksums=checksums)
-                    if sums is not None
-                    else None,
-                    planner=state_mod.TypedLoadPlanner(),
-                    no_dist=True,
-                )
-        except CorruptFileError as e:
-            raise CheckpointCorruptError(str(e)) from None
-        except OSError as e:
-            raise CheckpointReadError(f"step {step} of {root}: {e}") from e
-        except CheckpointException as e:  # a BaseException: would escape `except Exception`
-            failures = getattr(e, "failures", {}) or {}
-            read = [
-                f[0]
-                for f in failures.values()
-                if isinstance(f, tuple) and isinstance(f[0], OSError)
-            ]
-            corrupt = [x for x in read if isinstance(x, CorruptFileError)]
-            if corrupt:
-                raise CheckpointCorruptError(str(corrupt[0])) from None
-            if read:
-                raise CheckpointReadError(f"step {step} of {root}: {read[0]}") from None
-            first = next((ln for ln in str(e).splitlines() if "Error" in ln), str(e)[:300])
-            raise CheckpointError(
-                f"step {step} of {root} does not fit this state ({first.strip()}); "
-                "the script's state must have the keys it had when it saved"
-            ) from None
-        state_mod.apply(state, conv, rank)
-
-    def _account_per_rank(self, conv: dict[str, Any], saved_md: Any, rank: int, step: int) -> None:
-        """Per-rank and per-shard state across a world change (elastic), never silent:
-
-        - a key of this rank's (``per_rank.<rank>``, ``per_shard.<id>``) that the step does
-          not hold starts fresh (the world grew, or a shard no one ran): event
-          ``ckpt_per_rank_absent`` / ``ckpt_per_shard_absent``;
-        - rank 0 reports the ``per_rank`` state of ranks beyond the world that it drops (the
-          world shrank: their RNG states cannot be merged): ``ckpt_per_rank_dropped``, and a
-          stderr line. ``per_shard`` state is never dropped: every shard goes to the rank
-          that runs it now.
-        """
-        saved_ranks: set[int] = set()
-        for k in saved_md:
-            head, _, rest = k.partition(".")
-            if head == PER_RANK_KEY and rest.split(".", 1)[0].isdigit():
-                saved_ranks.add(int(rest.split(".", 1)[0]))
-
-        def held(key: str) -> bool:
-            return any(k == key or k.startswith(key + ".") for k in saved_md)
-
-        for key in [k for k in conv if k.startswith((PER_RANK_KEY + ".", PER_SHARD_KEY + "."))]:
-            if not held(key):
-                del conv[key]
-                if key.startswith(PER_RANK_KEY + "."):
-                    self._rt.event("ckpt_per_rank_absent", step=step, rank=rank)
-                else:
-                    self._rt.event("ckpt_per_shard_absent", step=step, shard=key.split(".", 1)[1])
-        _, world = _rank_world()
-        dropped = sorted(r for r in saved_ranks if r >= world)
-        if rank == 0 and dropped:
-            self._rt.event("ckpt_per_rank_dropped", step=step, ranks=dropped, world=world)
-            _say(
-                f"step {step} was saved by {max(saved_ranks) + 1} ranks, this world has {world}: "
-                f"the per_rank state of ranks {', '.join(map(str, dropped))} is dropped (keep "
-                f"what must follow the data in state['{PER_SHARD_KEY}'] instead)"
-            )
-
-    def _load_memory(self, state: dict[str, Any], rank: int, step: int, gen: int) -> bool:
-        name_job = os.environ.get(rt_api.ENV_JOB_ID, "")
-        node = os.environ.get(rt_api.ENV_NODE_ID, "")
-        shm = Path(os.environ.get(rt_api.ENV_SHM_DIR, "/dev/shm"))
-        backend = self._connect()
-        source = os.environ.get(rt_api.ENV_REPLICA_SOURCE, "")
-        if source and isinstance(backend, CkptdBackend):  # our node is new: the copy is on a peer
-            have = [snapshot.peek_header(p) for p in snapshot.slot_paths(shm, name_job, node, rank)]
-            if not any(h and (h["step"], h["generation"]) == (step, gen) for h in have):
-                try:
-                    backend.fetch(rank, step, gen, source)
-                except CheckpointError as e:
-                    self._rt.event("ckpt_corrupt", step=step, tier="replica", problems=[str(e)])
-                    return False
-                self._tier = "replica"
-        verified: str | None = None  # the slot's name
-        # ckptd checks the slot (usually done during the restart)
-        if isinstance(backend, CkptdBackend):
-            reply = backend.verify(rank, step, gen, self._rt.generation)
-            if reply is None:
-                pass  # ckptd is down: checksum the slot here, against the sums of its staging
-            elif not reply.ok or reply.slot is None:
-                if reply.slot is not None:  # corrupt: ckptd dropped it from its index
-                    self._rt.event(
-                        "ckpt_corrupt", step=step, tier="memory", problems=[reply.problem]
-                    )
-                return False
-            else:
-                verified = Path(reply.slot).name
-        for path in snapshot.slot_paths(shm, name_job, node, rank):
-            h = snapshot.peek_header(path)
-            if h is None or (h["step"], h["generation"]) != (step, gen):
-                continue
-            sums = None if path.name == verified else snapshot.read_sums(path, step, gen)
-            if sums is None and path.name != verified:
-                continue
-            try:
-                self._restore_slot(state, rank, path, h, sums)
-            except CheckpointCorruptError as e:
-                self._rt.event("ckpt_corrupt", step=step, tier="memory", problems=[str(e)])
-                backend.forget(path)  # out of the memory index: the next restore point skips it
-                return False
-            except CheckpointError as e:  # the snapshot does not fit this state: use DCP's
-                self._rt.event("ckpt_memory_mismatch", step=step, problem=str(e))
-                return False
-            return True
-        return False
-
-    def _restore_slot(
-        self,
-        state: dict[str, Any],
-        rank: int,
-        path: Path,
-        h: dict[str, Any],
-        sums: dict[str, list[int]] | None,
-    ) -> None:
-        """Copy one verified slot into ``state``. Raises CheckpointError (nothing written
-        yet) when the snapshot does not fit the live state, CheckpointCorruptError on a
-        checksum mismatch."""
-        conv = state_mod.converted(state, rank)
-        mappings = {k: tuple(v) for k, v in h.get("mappings", {}).items()}
-        shards = {k: state_mod.ShardRecord.from_json(v) for k, v in h.get("shards", {}).items()}
-        live = state_mod.flatten_converted(conv)
-        saved: dict[str, tuple[torch.dtype | None, tuple[int, ...], tuple[Any, ...]]] = {}
-        for e in h["layout"]["tensors"]:
-            rec = shards.get(e["key"])
-            fqn = rec.fqn if rec is not None else e["key"]
-            if fqn in live.mappings:
-                continue
-            if rec is not None:
-                raise CheckpointError(
-                    f"{fqn}: the live state has no value for this sharded tensor (optimizer "
-                    "state created lazily?); build the state with torch.distributed.checkpoint"
-                    ".state_dict.get_state_dict(model, optimizer), which creates it"
-                )
-            saved[fqn] = (getattr(torch, e["dtype"]), tuple(e["shape"]), mappings.get(fqn, ()))
-        if saved and state_mod.fill_missing(conv, live.mappings, saved):
-            self._rt.event("ckpt_keys_created", step=h["step"], tier="memory", count=len(saved))
-            live = state_mod.flatten_converted(conv)
-        for key, rec in shards.items():
-            have = live.shards.get(key)
-            if have is None or (have.global_shape, have.offset) != (rec.global_shape, rec.offset):
-                raise CheckpointError(
-                    f"{key}: this rank's shard of {rec.fqn} differs from the snapshot's "
-                    f"(offset {rec.offset} of {rec.global_shape})"
-                )
-        objects, replaced = snapshot.restore(
-            path, h, sums, live.tensors, snapshot.restore_threads()
-        )
-        for key, raw in objects.items():
-            path = mappings.get(key) or live.mappings[key]
-            state_mod.set_path(conv, path, state_mod.decode_object(raw))
-        for key, tensor in replaced.items():
-            state_mod.set_path(conv, live.mappings[key], tensor)
-        state_mod.apply(state, conv, rank)
 
     # ------------------------------------------------------------------ durability
     def wait(self, timeout_s: float = DURABLE_WAIT_S) -> None:
@@ -820,9 +498,9 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            for s in self._slots:
-                s.close()
-            self._slots = []
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None  # the next save allocates again (through a new backend)
             backend, self._backend = self._backend, None
             if backend is not None:
                 backend.close()

@@ -309,8 +309,30 @@ def restore(
     shorter than its header says; CheckpointCorruptError on any checksum mismatch (targets
     are then partly overwritten: the caller restores them from another tier).
     """
-    pieces = []  # (key, piece index, slot offset, bytes, destination bytes)
-    staged: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, target, host buffer)
+    pieces, staged = _pieces(header, targets)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _read_pieces(fd, path, pieces, sums, threads)
+        blob = os.pread(fd, header["objects_nbytes"], header["layout"]["objects_offset"])
+    finally:
+        os.close(fd)
+    if sums is not None and [crc32c.crc32c(blob)] != sums.get("__objects__"):
+        raise CheckpointCorruptError(f"{path}: object blob fails its checksum")
+    return unpack_objects(blob), _unstage(staged)
+
+
+Piece = tuple[str, int, int, int, memoryview]  # key, piece index, slot offset, bytes, destination
+Staged = tuple[str, torch.Tensor, torch.Tensor]  # key, target, host buffer
+
+
+def _pieces(
+    header: dict[str, Any], targets: dict[str, torch.Tensor]
+) -> tuple[list[Piece], list[Staged]]:
+    """Where each piece of the slot goes: the target's own bytes (a contiguous CPU tensor),
+    else a host buffer (pinned for a CUDA target) staged for ``_unstage``. Raises
+    CheckpointError for a target that is missing or does not match the snapshot."""
+    pieces: list[Piece] = []
+    staged: list[Staged] = []
     for d in header["layout"]["tensors"]:
         key, off, n = d["key"], d["offset"], d["nbytes"]
         target = targets.get(key)
@@ -334,32 +356,39 @@ def restore(
         for i, a in enumerate(_starts(n)):
             m = min(n - a, PIECE_BYTES)
             pieces.append((key, i, off + a, m, dst_mv[a : a + m]))
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    return pieces, staged
 
-        def verify_copy(p: tuple[str, int, int, int, memoryview]) -> str | None:
-            key, i, off, n, dst = p
-            crc = 0
-            step = RESTORE_CHUNK_BYTES if sums is not None else PIECE_BYTES
-            for a in range(0, n, step):
-                chunk = dst[a : min(n, a + step)]
-                if os.preadv(fd, [chunk], off + a) != len(chunk):
-                    raise CheckpointError(f"{path}: shorter than its header says")
-                if sums is not None:
-                    crc = crc32c.crc32c(chunk, crc)
-            if sums is None:
-                return None
-            want = sums.get(key)
-            return None if want is not None and i < len(want) and want[i] == crc else key
 
-        bad = [k for k in _map(verify_copy, pieces, threads) if k is not None]
-        if bad:
-            raise CheckpointCorruptError(f"{path}: tensor {bad[0]} fails its checksum")
-        blob = os.pread(fd, header["objects_nbytes"], header["layout"]["objects_offset"])
-    finally:
-        os.close(fd)
-    if sums is not None and [crc32c.crc32c(blob)] != sums.get("__objects__"):
-        raise CheckpointCorruptError(f"{path}: object blob fails its checksum")
+def _read_pieces(
+    fd: int, path: Path, pieces: list[Piece], sums: dict[str, list[int]] | None, threads: int
+) -> None:
+    """``pread`` every piece into its destination on ``threads`` threads; with ``sums``, 1 MiB
+    at a time, each chunk checksummed while in cache. Raises CheckpointCorruptError on a
+    mismatch, CheckpointError when the slot is shorter than its header says."""
+
+    def verify_copy(p: Piece) -> str | None:
+        key, i, off, n, dst = p
+        crc = 0
+        step = RESTORE_CHUNK_BYTES if sums is not None else PIECE_BYTES
+        for a in range(0, n, step):
+            chunk = dst[a : min(n, a + step)]
+            if os.preadv(fd, [chunk], off + a) != len(chunk):
+                raise CheckpointError(f"{path}: shorter than its header says")
+            if sums is not None:
+                crc = crc32c.crc32c(chunk, crc)
+        if sums is None:
+            return None
+        want = sums.get(key)
+        return None if want is not None and i < len(want) and want[i] == crc else key
+
+    bad = [k for k in _map(verify_copy, pieces, threads) if k is not None]
+    if bad:
+        raise CheckpointCorruptError(f"{path}: tensor {bad[0]} fails its checksum")
+
+
+def _unstage(staged: list[Staged]) -> dict[str, torch.Tensor]:
+    """Copy the staged host buffers into their targets (``copy_``: any strides, host → device
+    for GPU tensors); returns those that cannot be written in place (overlapping elements)."""
     replaced: dict[str, torch.Tensor] = {}
     cuda = False
     with torch.no_grad():
@@ -371,7 +400,7 @@ def restore(
             cuda = cuda or dst.is_cuda
     if cuda:
         torch.cuda.synchronize()  # the pinned buffers may be freed after this
-    return unpack_objects(blob), replaced
+    return replaced
 
 
 def _crc_bytes(data: bytes) -> bytes:

@@ -4,6 +4,8 @@ job state and the agents' reports (no I/O)."""
 
 from __future__ import annotations
 
+from trainguard.checkpoint.tiers import TIERS, Index, NodeIndex, Point
+from trainguard.checkpoint.tiers import replica as replica_tier
 from trainguard.controller.api import NodeObs, Pool
 from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import JobState, suspect
@@ -18,56 +20,60 @@ def restore_point(
     memory: bool = True,
 ) -> tuple[tuple[int, int] | None, dict[str, int]]:
     """The newest (step, generation) that every rank of the assignment can restore, and how
-    many ranks read it from each tier. A point is restorable when it is durable, or when
-    every rank can read a verified memory copy of it: on its own node, or as a replica on
-    another live node (replica_sources says where). Points some rank already failed to
-    restore from every tier (``s.unusable``), and points a silent data corruption may have
-    reached (``jobstate.suspect``), are never chosen."""
-    ranks: dict[int, set[tuple[int, int]]] = {}
-    local: dict[int, set[tuple[int, int]]] = {}
-    held = _replica_index(s, obs, cfg) if memory else {}
-    for node, node_rank in s.assignment.items():
-        mem = obs[node].memory if node in obs else {}
-        for i in range(cfg.nproc_per_node):
-            rank = node_rank * cfg.nproc_per_node + i
-            local[rank] = {tuple(p) for p in mem.get(rank, [])} if memory else set()  # type: ignore[misc]
-            ranks[rank] = local[rank].union(
-                *(points for n, _, points in held.get(rank, []) if n != node)
-            )
-    in_memory = set.intersection(*ranks.values()) if ranks else set()
+    many ranks read it from each tier the controller tracks (``tiers.TIERS``, fastest first:
+    a rank counts for the first that holds the point for it). A point is restorable when
+    every rank can read a verified copy of it from some tier: its own node's memory, a
+    replica on another live node (replica_sources says where), the durable tier. Points some
+    rank already failed to restore from every tier (``s.unusable``), and points a silent
+    data corruption may have reached (``jobstate.suspect``), are never chosen."""
+    index = tier_index(s, obs, cfg, durable, memory=memory)
+    held = [(t.name, h) for t in TIERS if (h := t.holds(index)) is not None]
+    every: set[Point] = set().union(*(h.every_rank for _, h in held))
+    ranks = [set().union(*(h.per_rank.get(r, ()) for _, h in held)) for r in index.ranks]
+    restorable = (set.intersection(*ranks) if ranks else set()) | every
     unusable = {(p[0], p[1]) for p in s.unusable}
-    candidates = {p for p in (in_memory | set(durable)) - unusable if not suspect(s, p)}
+    candidates = {p for p in restorable - unusable if not suspect(s, p)}
     if not candidates:
         return None, {}
     point = max(candidates)
-    tiers = {"memory": sum(point in m for m in local.values())}
-    tiers["replica"] = sum(point in ranks[r] and point not in local[r] for r in ranks)
-    tiers["durable"] = len(ranks) - tiers["memory"] - tiers["replica"]
+    tiers = dict.fromkeys((name for name, _ in held), 0)
+    for r in index.ranks:
+        name = next(name for name, h in held if h.serves(r, point))
+        tiers[name] += 1
     return point, tiers
+
+
+def tier_index(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    durable: list[tuple[int, int]],
+    *,
+    memory: bool = True,
+) -> Index:
+    """What the tiers are asked about: the assignment's ranks and each node's reported copies."""
+    n = cfg.nproc_per_node
+    ranks = {r * n + i: node for node, r in s.assignment.items() for i in range(n)}
+    nodes = {
+        name: NodeIndex(
+            healthy=_healthy(s, name),
+            memory=o.memory,
+            replicas=o.replicas,
+            replica_addr=o.replica_addr,
+        )  # fmt: skip
+        for name, o in obs.items()
+    }
+    return Index(
+        ranks=ranks,
+        nodes=nodes,
+        durable=tuple(durable),
+        memory=memory,
+        replicas=cfg.checkpoint.replicas,
+    )
 
 
 def _healthy(s: JobState, node: str) -> bool:
     return s.pools.get(node) in (Pool.RUNNING, Pool.STANDBY)
-
-
-def _replica_index(
-    s: JobState, obs: dict[str, NodeObs], cfg: JobConfig
-) -> dict[int, list[tuple[str, str, set[tuple[int, int]]]]]:
-    """rank → (node, replica server, verified points) of each healthy node holding replicas
-    of that rank, by node name: one pass over the reports (the restore point and the
-    replica sources then cost O(ranks + replicas), not O(ranks × nodes))."""
-    out: dict[int, list[tuple[str, str, set[tuple[int, int]]]]] = {}
-    if not cfg.checkpoint.replicas:
-        return out
-    for n in sorted(obs):
-        o = obs[n]
-        if not o.replica_addr or not _healthy(s, n):
-            continue
-        for rank, points in o.replicas.items():
-            out.setdefault(int(rank), []).append(
-                (n, o.replica_addr, {(int(p[0]), int(p[1])) for p in points})
-            )
-    return out
 
 
 def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dict[str, str]:
@@ -75,20 +81,8 @@ def replica_sources(s: JobState, obs: dict[str, NodeObs], cfg: JobConfig) -> dic
     node does not (a replaced node's ranks)."""
     if s.restore_step is None or s.restore_gen is None or not cfg.checkpoint.replicas:
         return {}
-    point = (s.restore_step, s.restore_gen)
-    held = _replica_index(s, obs, cfg)
-    out: dict[str, str] = {}
-    for node, node_rank in s.assignment.items():
-        mem = obs[node].memory if node in obs else {}
-        for i in range(cfg.nproc_per_node):
-            rank = node_rank * cfg.nproc_per_node + i
-            if point in {tuple(p) for p in mem.get(rank, [])}:
-                continue
-            for n, addr, points in held.get(rank, []):
-                if n != node and point in points:
-                    out[str(rank)] = addr
-                    break
-    return out
+    index = tier_index(s, obs, cfg, [])
+    return replica_tier.sources(index, (s.restore_step, s.restore_gen))
 
 
 def ring_of(s: JobState) -> list[str]:
