@@ -19,7 +19,7 @@ GOOD = {
     "generation": 3,
     "workers": [{"rank": 0, "local_rank": 0, "pid": 1, "state": "running", "step": 9}],
     "memory": {"0": [[8, 3], [9, 3]]},
-    "steps": [{"generation": 3, "rank": 0, "items": [{"step": 9}]}],
+    "steps": [{"generation": 3, "rank": 0, "items": [{"step": 9, "t_end": 1000.0, "dur": 0.1}]}],
     "store": [3, 29500],
 }
 
@@ -67,14 +67,16 @@ CKPT = protocol.CkptConf(dir="/c", shm_dir="/dev/shm", keep=3, memory_tier=True)
         protocol.Idle(),
         protocol.Idle(nproc_per_node=8, ckpt=CKPT),
         protocol.Shutdown(phase="SUCCEEDED", reason="all 16 ranks finished"),
-        protocol.Check(task={"run": 1, "stage": "node", "level": "quick"}),
+        protocol.Check(task=protocol.CheckTask(id="1-node", run=1, stage="node", node_id="node0",
+                                               level="quick", deadline_s=60.0,
+                                               params={"gemm_n": 512, "inject": []})),
         protocol.Stop(generation=2, grace_s=15.0),
         protocol.Stop(generation=2, grace_s=15.0, dump_stacks=True, persist=(40, 2)),
         protocol.Run(
             generation=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4,
             master_addr="127.0.0.2", master_port=29500, host_store=True, restore_step=30,
             restore_gen=0, restore_memory=True, ckpt=CKPT, restarts=1, max_restarts=3,
-            injects=[{"id": 0, "kind": "kill", "rank": 1, "step": 5}], script="train.py",
+            injects=[protocol.InjectSpec(id=0, kind="kill", rank=1, step=5)], script="train.py",
             launch="script", log_dir=None, script_args=["--steps", "60"], hang_timeout_s=None,
             hang_timeout_min_s=30.0, hang_timeout_max_s=600.0, first_step_timeout_s=600.0,
             heartbeat_s=0.5, node_timeout_s=10.0, replica_peers=["127.0.0.3:4000"],

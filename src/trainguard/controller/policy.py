@@ -1,9 +1,12 @@
 """What to do after the workers stopped: the restart policy (budget, user errors, fallback
 to an older restore point), replacing lost or faulty nodes by standbys (or shrinking when
 elastic), planned stops that persist memory snapshots (growth, evictions, a user's stop),
-and starting the next generation from the restore point. Pure."""
+and starting the next generation from the restore point; and what to do about a detector's
+finding (``react``: evict, drain, quarantine or keep). Pure."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from trainguard.controller.api import (
     JobConfig,
@@ -12,6 +15,7 @@ from trainguard.controller.api import (
     Pool,
 )
 from trainguard.controller.detect import last_line, lost_nodes
+from trainguard.controller.detectors import Finding
 from trainguard.controller.jobstate import (
     Event,
     JobState,
@@ -416,3 +420,54 @@ def start_generation(
         )
     )
     goto(s, Phase.RENDEZVOUS, now, events, why)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Reaction:
+    """What the policy does about a finding: ``evict`` node → why (replaced by a standby at
+    the next checkpoint boundary: a planned stop, no step lost, no restart charged);
+    ``quarantine`` node → why (a standby moved to the faulty pool, re-checked before it may
+    take a rank); ``record``: events to record; ``alert``: events to record and alert."""
+
+    evict: dict[str, str] = dataclasses.field(default_factory=dict)
+    quarantine: dict[str, str] = dataclasses.field(default_factory=dict)
+    record: list[Event] = dataclasses.field(default_factory=list)
+    alert: list[Event] = dataclasses.field(default_factory=list)
+
+
+def react(f: Finding, s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Reaction:
+    """Evict, drain, quarantine or keep, for one detector's finding (``detectors.Finding``),
+    with the standby rule of ``pools.healthy_standby``:
+
+    - a persistent straggler (``straggler``) under ``straggler_action = "replace"``: its node
+      is evicted when a healthy standby can take its place, else kept (``straggler_kept``);
+    - a node at risk (``node_at_risk``): a running node is drained to a standby at the next
+      checkpoint boundary, or kept without one; a standby is quarantined; a node not in the
+      job is only watched. Recorded and alerted with the action taken.
+    """
+    out = Reaction()
+    node = f.node
+    if node is None:
+        return out
+    standby = bool(healthy_standby(s, obs, now, cfg))
+    if f.kind == "straggler" and cfg.straggler_action == "replace":
+        if not standby:
+            out.record.append(("straggler_kept", {"node": node, "reason": "no healthy standby"}))
+        else:
+            why = f"straggler: rank {f.data['rank']} computes {f.data['score']}x the median"
+            out.evict[node] = why
+    elif f.kind == "node_at_risk":
+        why = str(f.data["reason"])
+        running = node in s.assignment and not s.phase.terminal
+        if running and standby:
+            action = "drain to a standby at the next checkpoint boundary"
+            out.evict[node] = f"at risk: {why}"
+        elif running:
+            action = "kept: no healthy standby to take its place"
+        elif s.pools.get(node) == Pool.STANDBY:
+            action = "quarantined: re-checked before it may take a rank"
+            out.quarantine[node] = f"at risk: {why}"
+        else:
+            action = "not training: watched"
+        out.alert.append(("node_at_risk", {"node": node, "reason": why, "action": action}))
+    return out

@@ -33,19 +33,18 @@ from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
 from trainguard.controller.decide import JobState, decide, desired_for
 from trainguard.controller.http import HttpApi
-from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses_changed, observe
+from trainguard.controller.ingest import Intake
 from trainguard.controller.jobmetrics import JobCollector
 from trainguard.controller.jobstate import (
     Inputs,
     StateEncoder,
-    Suspicion,
     merge_inputs,
     next_incarnation,
 )
 from trainguard.controller.monitor import Monitor
+from trainguard.controller.policy import Reaction, react
 from trainguard.controller.pools import is_alive, world_of
 from trainguard.controller.restore import ring_of
-from trainguard.controller.risk import RiskConfig, RiskWatch
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
@@ -72,6 +71,35 @@ def _signature(s: JobState) -> tuple[Any, ...]:
     return (
         s.phase, s.generation, s.master_port, s.restore_step, s.restore_gen, len(s.fired),
         s.restarts, s.persist is not None, len(s.pools), len(s.assignment),
+    )  # fmt: skip
+
+
+def _monitor(cfg: JobConfig) -> Monitor:
+    return Monitor(
+        DetectConfig(
+            window_steps=cfg.straggler_window_steps,
+            persist_windows=cfg.straggler_persist_windows,
+            grad_ratio=cfg.sdc_grad_ratio if cfg.sdc_check else 0.0,
+        ),
+        cfg.alert_webhook,
+    )
+
+
+def _preflight(
+    cfg: JobConfig, store: Store, check_only: bool, check_cfg: CheckConfig | None
+) -> Preflight | None:
+    """The pre-flight coordinator, unless pre-flight is off (``trainguard check`` always has
+    one)."""
+    if not check_only and cfg.preflight == "off":
+        return None
+    level = cfg.preflight if cfg.preflight != "off" else "quick"
+    injects: dict[str, list[str]] = {}
+    for spec in cfg.injects:  # gemm-wrong:…:step=S goes wrong in training (ingest.py)
+        if spec.kind == "gemm-wrong" and not spec.step:
+            injects.setdefault(f"node{spec.node}", []).append(spec.kind)
+    return Preflight(
+        check_cfg or CheckConfig(**{"level": level, **cfg.checks}), store, ckpt_dir=cfg.ckpt_dir,
+        shm_dir=cfg.shm_dir, injects=injects,
     )  # fmt: skip
 
 
@@ -124,7 +152,6 @@ class Controller:
         self._last_tick = time.monotonic()
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(time.time() * 1000)
-        self.obs: dict[str, NodeObs] = {}
         self._inputs = Inputs()  # for the next decide (the executor never edits the state)
         self.desired: dict[str, tuple[int, protocol.Desired]] = {}
         self.changed = asyncio.Condition()
@@ -136,42 +163,26 @@ class Controller:
         self._copies: dict[int, set[str]] = {}  # step → cold targets that hold it verified
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
-        self._milestones = Milestones()
-        self._fingerprints = FingerprintIndex()
-        self._risk = RiskWatch(
-            RiskConfig(
-                ce_delta=cfg.risk_ce_delta,
-                window_s=cfg.risk_window_s,
-                temp_margin_c=cfg.risk_temp_margin_c,
-                temp_horizon_s=cfg.risk_temp_horizon_s,
-            )
-        )
         self._last_state = ""
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
-        self._probes_seen: dict[str, Any] = {}  # node → time of its newest GEMM probe seen
         self.closing = False
-        self.monitor = Monitor(
-            DetectConfig(
-                window_steps=cfg.straggler_window_steps,
-                persist_windows=cfg.straggler_persist_windows,
-                grad_ratio=cfg.sdc_grad_ratio if cfg.sdc_check else 0.0,
-            ),
-            cfg.alert_webhook,
-        )
+        self.monitor = _monitor(cfg)
         self.monitor.registry.register(JobCollector(self._metric_state, self.monitor.figures))
-        self.preflight: Preflight | None = None
-        if check_only or cfg.preflight != "off":
-            level = cfg.preflight if cfg.preflight != "off" else "quick"
-            injects: dict[str, list[str]] = {}
-            for spec in cfg.injects:  # gemm-wrong:…:step=S goes wrong in training (below)
-                if spec.kind == "gemm-wrong" and not spec.step:
-                    injects.setdefault(f"node{spec.node}", []).append(spec.kind)
-            self.preflight = Preflight(
-                check_cfg or CheckConfig(**{"level": level, **cfg.checks}), store, ckpt_dir=cfg.ckpt_dir,
-                shm_dir=cfg.shm_dir, injects=injects,
-            )  # fmt: skip
-        if check_only:
+        self.preflight = _preflight(cfg, store, check_only, check_cfg)
+        self.intake = Intake(cfg, store, self.monitor, lambda: self.preflight, self._checking.seen)
+        self.obs: dict[str, NodeObs] = self.intake.obs  # each node's latest observation
+        self._record_start(resume, rerun_of, leftovers)
+
+    def _record_start(
+        self,
+        resume: JobState | None,
+        rerun_of: JobState | None,
+        leftovers: dict[str, list[str]] | None,
+    ) -> None:
+        """The config and the start's events: a check, a controller restart, a rerun, a job."""
+        cfg, store = self.cfg, self.store
+        if self.check_only:
             store.record("check_started", {"nodes": cfg.nodes})
             return
         store.put(
@@ -308,142 +319,26 @@ class Controller:
                 await runner.cleanup()
 
     # ------------------------------------------------------------------ reports
-    def ingest(self, node_id: str, body: dict[str, Any]) -> None:
+    def ingest(self, report: protocol.AgentReport) -> None:
+        """Take one report (validated): the intake's facts go to the next tick's inputs, and
+        what the policy does about its detectors' findings with them."""
         now = time.time()
-        old_obs = self.obs.get(node_id)
-        new_obs = self.obs[node_id] = observe(node_id, body, old_obs, now)
-        if addresses_changed(old_obs, new_obs):
+        moved, findings = self.intake.take(report, self.state, self._inputs, now)
+        if moved:
             self._full_publish = True  # peers' desired states name this node's addresses
-        self._dirty.add(node_id)
-        self._fingerprints.add(body.get("fingerprints") or {})
-        health = body.get("health") or {}
-        at_risk = self._risk.observe(node_id, now, health.get("signals"))
-        if at_risk is not None:
-            self._at_risk(node_id, at_risk)
-        self._probed(node_id, health.get("probe"))
-        self._checking.seen(node_id, now)
-        if self.preflight is not None:
-            self.preflight.ingest(node_id, body.get("checks", []))
-        for ev in body.get("events", []):
-            ev = {**ev, "node": node_id}
-            kind = ev.pop("kind")
-            ts = ev.pop("ts", None)
-            self.store.record(kind, ev, ts=ts)
-            if kind == "inject_fired":
-                self._inputs.fired.append(int(ev["inject"]["id"]))
-                if ev["inject"]["kind"] == "gemm-wrong" and self.preflight is not None:
-                    # The node's GEMMs went wrong in training: its re-check fails too.
-                    got = self.preflight.injects.setdefault(node_id, [])
-                    if "gemm-wrong" not in got:
-                        got.append("gemm-wrong")
-            if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
-                self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
-            if kind == "ckpt_durable":  # /metrics: durable lag and the tier's bytes
-                self.monitor.figures.durable(Path(self.cfg.ckpt_dir), int(ev["step"]))
-            if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
-                self._inputs.unusable.append((int(ev["step"]), int(ev["point_generation"])))
-            rec = self.state.recovery
-            gen = int(ev.get("generation", -1))
-            if kind in ("ckpt_load_start", "ckpt_load_end") and rec and rec.to_generation == gen:
-                world = world_of(self.state, self.cfg)
-                got = self._milestones.load(kind, gen, int(ev["rank"]), float(ts or now), world)
-                self._inputs.milestones += got
-        for batch in body.get("steps", []):
-            gen, rank, items = int(batch["generation"]), int(batch["rank"]), batch["items"]
-            self.store.add_steps(gen, rank, items)
-            first, got = self._milestones.steps(gen, rank, items, world_of(self.state, self.cfg))
-            if first is not None:
-                self.store.record("first_step", first)
-            self._inputs.milestones += got
-            if gen == self.state.generation and items:
-                world = world_of(self.state, self.cfg)
-                for kind, data in self.monitor.on_steps(gen, world, rank, items):
-                    self._on_alert(kind, data)
+        self._dirty.add(report.node_id)
+        for f in findings:
+            self._apply_reaction(react(f, self.state, self.obs, now, self.cfg))
 
-    def _probed(self, node: str, probe: dict[str, Any] | None) -> None:
-        """A node's newest in-job GEMM probe (agent/probe.py), once: a wrong result is a
-        sign of silent corruption for ``decide`` (controller/sdc.py)."""
-        if not isinstance(probe, dict) or probe.get("t") == self._probes_seen.get(node):
-            return
-        self._probes_seen[node] = probe.get("t")
-        if probe.get("ok") is not False:
-            return
-        gen, step = int(probe["generation"]), int(probe["step"])
-        last_ok = probe.get("last_ok")
-        bad = [r for r in probe.get("results", []) if r.get("mismatches")]
-        where = ", ".join(f"{r['device']}: {r['mismatches']} wrong element(s), first at "
-                          f"{r['first_bad']}" for r in bad)  # fmt: skip
-        self._inputs.suspected.append(
-            Suspicion(
-                signal="gemm_probe",
-                generation=gen,
-                step=step,
-                node=node,
-                after=int(last_ok[1]) if last_ok else None,
-                after_generation=int(last_ok[0]) if last_ok else None,
-                detail=f"its known-answer GEMM probe came out wrong ({where})",
-            )
-        )
-
-    def _node_of(self, rank: int) -> str | None:
-        node_rank = rank // self.cfg.nproc_per_node
-        return next((n for n, r in self.state.assignment.items() if r == node_rank), None)
-
-    def _on_alert(self, kind: str, data: dict[str, Any]) -> None:
-        """Record an alert; a gradient-norm spike is a sign of silent corruption for
-        ``decide`` (controller/sdc.py); under ``straggler_action = "replace"`` have a
-        persistent straggler's node replaced by a standby at the next checkpoint boundary."""
-        if "rank" in data:
-            data = {**data, "node": self._node_of(int(data["rank"]))}
-        self.store.record(kind, data)
-        self.monitor.alert(kind, data)
-        if kind == "grad_norm_spike":
-            ratio = f"{data['ratio']:g}× its median" if data.get("ratio") else "not finite"
-            self._inputs.suspected.append(
-                Suspicion(
-                    signal="grad_norm",
-                    generation=int(data["generation"]),
-                    step=int(data["step"]),
-                    node=None,
-                    # The step's gradient, or the state it started from (a parameter flipped
-                    # after the previous step: that step's checkpoint holds it) is corrupt.
-                    after=int(data["step"]) - 2,
-                    detail=f"gradient norm {data['grad_norm']} ({ratio})",
-                )
-            )
-        node = data.get("node")
-        if kind != "straggler" or self.cfg.straggler_action != "replace" or node is None:
-            return
-        if not self._standby_ready():
-            self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
-            return
-        why = f"straggler: rank {data['rank']} computes {data['score']}x the median"
-        self._inputs.evict[str(node)] = why
-
-    def _standby_ready(self) -> bool:
-        now = time.time()
-        return any(p == Pool.STANDBY and self.alive(n, now) for n, p in self.state.pools.items())
-
-    def _at_risk(self, node: str, why: str) -> None:
-        """Failure prediction flagged ``node`` (``risk.RiskWatch``): a running node is drained
-        to a standby at the next checkpoint boundary (a planned stop: no step lost, no
-        restart charged); a standby is quarantined (it must pass its re-check before it may
-        replace anyone); without a healthy standby, or not in the job, it is only reported."""
-        running = node in self.state.assignment and not self.state.phase.terminal
-        if running and self._standby_ready():
-            action = "drain to a standby at the next checkpoint boundary"
-            self._inputs.evict[node] = f"at risk: {why}"
-        elif running:
-            action = "kept: no healthy standby to take its place"
-        elif self.state.pools.get(node) == Pool.STANDBY:
-            action = "quarantined: re-checked before it may take a rank"
-            self._inputs.quarantine[node] = f"at risk: {why}"
-        else:
-            action = "not training: watched"
-        data = {"node": node, "reason": why, "action": action}
-        self.store.record("node_at_risk", data)
-        self.monitor.alert("node_at_risk", data)
-        log.warning("node %s at risk: %s (%s)", node, why, action)
+    def _apply_reaction(self, r: Reaction) -> None:
+        self._inputs.evict.update(r.evict)
+        self._inputs.quarantine.update(r.quarantine)
+        for kind, data in r.record:
+            self.store.record(kind, data)
+        for kind, data in r.alert:
+            self.store.record(kind, data)
+            self.monitor.alert(kind, data)
+            log.warning("%s: %s", kind, data)
 
     # ------------------------------------------------------------------ tick
     def _durable(
@@ -526,7 +421,7 @@ class Controller:
         inputs, self._inputs = self._inputs, Inputs()
         if self.state.phase == Phase.RUNNING:
             world = world_of(self.state, self.cfg)
-            inputs.fingerprints = self._fingerprints.complete(self.state.generation, world)
+            inputs.fingerprints = self.intake.fingerprints.complete(self.state.generation, world)
         full = self._full_publish_due()
         nodes = list(obs) if full else [n for n in self._dirty if n in obs]
         self._dirty = set()
@@ -548,7 +443,7 @@ class Controller:
                 self.monitor.alert(kind, data)
             self._log_event(kind, data)
         if new.recovery is not None and self.state.recovery is None:
-            self._milestones.clear()  # a new recovery: its milestones are counted afresh
+            self.intake.milestones.clear()  # a new recovery: its milestones are counted afresh
         self.state = new
         sig = _signature(new)
         changed, self._signature = bool(events) or sig != self._signature, sig

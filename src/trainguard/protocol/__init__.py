@@ -2,7 +2,9 @@
 
 - ``desired``: controller → agent, the desired state of a node (``Run``, ``Stop``, ``Idle``,
   ``Check``, ``Shutdown``).
-- ``report``: agent → controller, the heartbeat report (``validate_report``).
+- ``report``: agent → controller, the heartbeat report (``AgentReport``; ``report_from_json``
+  checks it on receipt).
+- ``inject``: a fault drill (``InjectSpec``), carried by the config, ``Run`` and events.
 - ``common``: the version, size bounds, ``ProtocolError`` and the enums the wires share.
 
 Every message is versioned (``PROTOCOL_VERSION``); a malformed one is refused with
@@ -20,18 +22,51 @@ from trainguard.protocol.common import (
 )
 from trainguard.protocol.desired import (
     Check,
+    CheckTask,
     CkptConf,
     Desired,
+    DesiredReply,
     Idle,
     Run,
     Shutdown,
     Stop,
     desired_from_json,
     desired_to_json,
+    reply_from_json,
+    reply_to_json,
 )
-from trainguard.protocol.report import StepRecord, validate_report
+from trainguard.protocol.inject import InjectSpec
+from trainguard.protocol.report import (
+    AgentReport,
+    CheckResult,
+    CkptdStatus,
+    HealthReport,
+    ProbeReport,
+    ReportEvent,
+    StepBatch,
+    StepRecord,
+    WorkerReport,
+    report_from_json,
+    report_to_json,
+    validate_report,
+)
 
 __all__ = [
+    "AgentReport",
+    "DesiredReply",
+    "reply_from_json",
+    "reply_to_json",
+    "CheckResult",
+    "CheckTask",
+    "CkptdStatus",
+    "HealthReport",
+    "InjectSpec",
+    "ProbeReport",
+    "ReportEvent",
+    "StepBatch",
+    "WorkerReport",
+    "report_from_json",
+    "report_to_json",
     "MAX_ITEMS",
     "MAX_NAME",
     "MAX_REPORT_BYTES",
