@@ -19,8 +19,6 @@ from aiohttp import web
 
 from trainguard import protocol
 from trainguard.checkpoint import fingerprint, storage
-from trainguard.checkpoint.archive import Archive
-from trainguard.checkpoint.archiver import Archiver, restore_newest
 from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import (
     JobConfig,
@@ -31,7 +29,9 @@ from trainguard.controller.api import (
 )
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
+from trainguard.controller.cold import ColdTier
 from trainguard.controller.decide import JobState, decide, desired_for
+from trainguard.controller.eventlog import record_decided
 from trainguard.controller.http import HttpApi
 from trainguard.controller.ingest import Intake
 from trainguard.controller.jobmetrics import JobCollector
@@ -158,9 +158,7 @@ class Controller:
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
-        self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archiver
-        self._archivers: list[Archiver] = []
-        self._copies: dict[int, set[str]] = {}  # step → cold targets that hold it verified
+        self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archivers
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
         self._last_state = ""
@@ -172,6 +170,9 @@ class Controller:
         self.preflight = _preflight(cfg, store, check_only, check_cfg)
         self.intake = Intake(cfg, store, self.monitor, lambda: self.preflight, self._checking.seen)
         self.obs: dict[str, NodeObs] = self.intake.obs  # each node's latest observation
+        self.cold_tier = (
+            ColdTier(cfg, store, self.monitor) if cfg.archive_urls and not check_only else None
+        )
         self._record_start(resume, rerun_of, leftovers)
 
     def _record_start(
@@ -249,52 +250,15 @@ class Controller:
         # report latency's tail).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         gc.set_threshold(*GC_THRESHOLDS)
-        if self.cfg.archive_urls and not self.check_only:
-            self._cold = asyncio.create_task(self._start_cold_tier(), name="cold-tier")
+        if self.cold_tier is not None:
+            self._cold = asyncio.create_task(self.cold_tier.start(), name="cold-tier")
         self._tick_task = asyncio.create_task(self._tick_loop(), name="controller-tick")
         return self.host, self.port
-
-    async def _start_cold_tier(self) -> None:
-        """Restore the cold tier's newest step into the hot tier if the hot tier has nothing
-        newer (while the agents start: before any process group is up, since the first tick
-        waits for this), then archive to each target in the background, one thread each."""
-        loop = asyncio.get_running_loop()
-
-        def emit(kind: str, **data: Any) -> None:
-            loop.call_soon_threadsafe(self._cold_event, kind, data)
-
-        cfg = self.cfg
-        archives = [
-            Archive(url, endpoint_url=cfg.archive_endpoint_url, concurrency=cfg.archive_concurrency,
-                    mbps=cfg.archive_mbps, compress=cfg.archive_compress)
-            for url in cfg.archive_urls
-        ]  # fmt: skip
-        root = Path(cfg.ckpt_dir)
-        await asyncio.to_thread(restore_newest, archives, root, emit)
-        for a in archives:
-            arch = Archiver(a, root, every=cfg.archive_every, keep=cfg.archive_keep, emit=emit)
-            arch.start()
-            self._archivers.append(arch)
 
     def _metric_state(self) -> tuple[int, list[dict[str, Any]]]:
         s = self.state
         recs = [*s.recoveries, *([s.recovery] if s.recovery is not None else [])]
         return s.restarts, [r.to_json() for r in recs]
-
-    def _cold_event(self, kind: str, data: dict[str, Any]) -> None:
-        self.store.record(kind, data)
-        if kind == "archive_uploaded":
-            self.monitor.figures.tier_bytes["archive"] = int(data.get("bytes", 0))
-        if kind == "archive_uploaded":  # archived once archive_copies targets verified it
-            held = self._copies.setdefault(int(data["step"]), set())
-            held.add(str(data["url"]))
-            if len(held) == self.cfg.archive_copies:
-                self.store.record("archive_durable", {"step": data["step"], "copies": sorted(held)})
-                self._copies = {st: u for st, u in self._copies.items() if st > data["step"]}
-        if kind in ("archive_failed", "checkpoint_corrupt"):
-            log.warning("cold tier: %s %s", kind, data)
-        elif kind != "archive_pruned":
-            log.info("cold tier: %s %s", kind, data)
 
     async def wait_done(self) -> JobState:
         await self._done.wait()
@@ -308,10 +272,8 @@ class Controller:
             self._tick_task.cancel()
         if self._cold is not None and not self._cold.done():
             self._cold.cancel()  # a restore in flight finishes in its thread, unused
-        if self._archivers:  # the final step reaches every cold target (bounded, in parallel)
-            limit = self.cfg.archive_final_timeout_s
-            await asyncio.gather(*(asyncio.to_thread(a.close, limit) for a in self._archivers))
-            await asyncio.sleep(0)  # their last events reach the store
+        if self.cold_tier is not None:
+            await self.cold_tier.close()
         self.closing = True  # long polls answer now, so the HTTP server stops at once
         await self._notify()
         for runner in (self._runner, self._metrics_runner):
@@ -434,14 +396,7 @@ class Controller:
             self._full_publish = True
             raise
         for kind, data in events:
-            self.store.record(kind, data)
-            if kind in (
-                "sdc_detected",
-                "sdc_localized",
-                "sdc_ruled_out",
-            ):  # alerts too: status, webhook, metrics
-                self.monitor.alert(kind, data)
-            self._log_event(kind, data)
+            record_decided(self.store, self.monitor, kind, data)
         if new.recovery is not None and self.state.recovery is None:
             self.intake.milestones.clear()  # a new recovery: its milestones are counted afresh
         self.state = new
@@ -475,29 +430,6 @@ class Controller:
     ) -> dict[str, protocol.Desired]:
         ring = ring_of(s)
         return {n: desired_for(s, n, obs, self.cfg, ring) for n in nodes if n in obs}
-
-    def _log_event(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "fault" and data["cause"] == "hang":
-            self.monitor.alert("hang_localized", data)
-            self.store.record("hang_localized", data)
-        elif kind == "fault_refined":
-            first = data["message"].splitlines()[0][:200]
-            log.info("[gen %s] fault re-attributed: %s", data["generation"], first)
-        elif kind == "phase":
-            log.info(
-                "[gen %s] %s → %s: %s",
-                data["generation"], data["from"], data["to"], data["reason"],
-            )  # fmt: skip
-        elif kind in ("sdc_localized", "sdc_unlocalized"):
-            who = ", ".join(data["nodes"]) or "no node"
-            log.warning(
-                "silent data corruption at step %d named by recomputation: %s (%s; %s)",
-                data["step"], who, data["how"], data["action"],
-            )  # fmt: skip
-        elif kind == "recovery_completed":
-            took = {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None}
-            total = data["durations_s"]["total"] or -1
-            log.info("[gen %d] recovered in %.2fs: %s", data["generation"], total, took)
 
     def _persist(self, changed: bool) -> None:
         """Persist the state if it changed (checked on every transition, else at most once
