@@ -9,7 +9,7 @@ import pytest
 
 from trainguard import protocol
 from trainguard.controller.api import scaled_timing
-from trainguard.protocol import PROTOCOL_VERSION, ProtocolError, validate_report
+from trainguard.protocol import PROTOCOL_VERSION, ProtocolError, report_from_json, report_to_json
 
 GOOD = {
     "v": PROTOCOL_VERSION,
@@ -25,8 +25,24 @@ GOOD = {
 
 
 def test_a_well_formed_report_passes_and_unknown_fields_are_allowed() -> None:
-    validate_report(GOOD)
-    validate_report({**GOOD, "something_newer": {"x": 1}})
+    report_from_json(GOOD)
+    report_from_json({**GOOD, "something_newer": {"x": 1}})
+
+
+def test_a_report_survives_the_wire_typed() -> None:
+    r = report_from_json(GOOD)
+    assert (r.node_id, r.generation, r.store) == ("node0", 3, (3, 29500))
+    assert r.workers[0].rank == 0 and r.workers[0].state == "running" and r.workers[0].step == 9
+    assert r.ckptd.memory == {0: [(8, 3), (9, 3)]}
+    assert r.steps[0].items == [protocol.StepRecord(step=9, t_end=1000.0, duration_s=0.1)]
+    full = {**GOOD, "events": [{"kind": "ckpt_durable", "step": 9, "ts": 5.0}],
+            "health": {"ok": False, "problems": ["disk"], "signals": {"edac_ce": 1}},
+            "checks": [{"task": "1-node", "result": {"ok": True}}], "time": 7.0}  # fmt: skip
+    wire = json.loads(json.dumps(report_to_json(report_from_json(full))))
+    assert report_from_json(wire) == report_from_json(full)
+    back = report_from_json(wire)
+    assert back.events[0].step == 9 and back.events[0].to_json() == full["events"][0]
+    assert back.health.problems == ("disk",) and back.checks[0].task == "1-node"
 
 
 @pytest.mark.parametrize(
@@ -47,7 +63,7 @@ def test_a_well_formed_report_passes_and_unknown_fields_are_allowed() -> None:
 )
 def test_a_malformed_field_is_named(change: dict[str, object], says: str) -> None:
     with pytest.raises(ProtocolError, match=None) as e:
-        validate_report({**GOOD, **change})
+        report_from_json({**GOOD, **change})
     assert says in str(e.value), str(e.value)
 
 

@@ -48,7 +48,6 @@ from trainguard.protocol.report import (
     WorkerReport,
     report_from_json,
     report_to_json,
-    validate_report,
 )
 
 __all__ = [
@@ -84,5 +83,4 @@ __all__ = [
     "WorkerState",
     "desired_from_json",
     "desired_to_json",
-    "validate_report",
 ]

@@ -439,12 +439,6 @@ def report_from_json(body: Any) -> AgentReport:
     )
 
 
-def validate_report(body: Any) -> None:
-    """Raise ProtocolError unless ``body`` is a report this controller can take
-    (``report_from_json``, the value dropped)."""
-    report_from_json(body)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StepRecord:
     """One finished training step of one rank, as the runtime measured it.
