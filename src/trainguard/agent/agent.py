@@ -595,6 +595,9 @@ class Agent:
 
     def _snapshot(self) -> protocol.AgentReport:
         now = time.monotonic()
+        # What may raise first: the events and step records are taken last, so none is lost.
+        workers = [w.observe(now) for w in list(self.workers.values())]
+        ckptd, health, checks = self._ckptd_status(), self._health(), self.checks.report()
         with self._lock:
             events, self._events = self._events, []
             steps, self._steps = self._steps, {}
@@ -604,7 +607,7 @@ class Agent:
             incarnation=self.incarnation,
             generation=self.generation,
             desired_version=self._desired[0],  # the reply then omits a desired state it has
-            workers=[w.observe(now) for w in list(self.workers.values())],
+            workers=workers,
             hang=self._hang,
             stopped_generation=self._stopped_generation,
             fenced_generation=self._fenced_generation,
@@ -612,13 +615,13 @@ class Agent:
             cleaned_at=self.group.cleaned_at,
             store=None if self._store is None else (self._store[0], self._store[1].port),
             events=events,
-            ckptd=self._ckptd_status(),
-            health=self._health(),
-            checks=self.checks.report(),
+            ckptd=ckptd,
+            health=health,
+            checks=checks,
             time=time.time(),  # the controller measures clock skew from it
             steps=[
                 protocol.StepBatch(generation=g, rank=r, items=its) for (g, r), its in steps.items()
-            ],  # fmt: skip
+            ],
         )
 
     def _ckptd_status(self) -> protocol.CkptdStatus:
