@@ -129,11 +129,11 @@ def _stragglers(
     det = StragglerDetector(DetectConfig(window_steps=int(cfg.get("straggler_window_steps", 20))))
     series: dict[str, list[list[float]]] = {}
     seen: dict[int, float] = {}
-    for gen, rank, step, _t, dur, _loss, _tok, sec in rows:
+    for gen, rank, step, t_end, dur, _loss, _tok, sec in rows:
         extra = json.loads(sec) if sec else {}
         item = StepRecord(
             step=step,
-            t_end=_t,
+            t_end=t_end,
             duration_s=dur,
             sections={k: float(v) for k, v in extra.items() if k not in ("t_coll", "gap")},
             t_coll=extra.get("t_coll"),
