@@ -1,6 +1,6 @@
 """The agent's reconcile loop with its two seams injected: a launcher that starts no process
 and a controller link that answers from the test. What goes out is checked against the
-protocol the controller enforces (``validate_report``); worker heartbeats arrive on the
+protocol the controller enforces (``report_from_json``); worker heartbeats arrive on the
 agent's real UDP socket, signed as the runtime signs them."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class FakeLink:
         self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
     ) -> dict[str, Any]:
         assert (method, path) == ("POST", "/v1/report") and body is not None
-        protocol.validate_report(json.loads(json.dumps(body)))  # what the controller checks
+        protocol.report_from_json(json.loads(json.dumps(body)))  # what the controller checks
         if self.error is not None:
             raise self.error
         self.reports.append(body)

@@ -12,8 +12,14 @@ from trainguard.controller.analysis import (
     localize_hang,
 )
 from trainguard.controller.api import WorkerObs
+from trainguard.protocol import StepRecord
 
 CFG = DetectConfig()
+
+
+def recs(items: list[dict]) -> list[StepRecord]:
+    """Step records from their wire form (``t_end`` 0 where the test does not need one)."""
+    return [StepRecord.from_json({"t_end": 0.0, **d}) for d in items]
 
 
 def feed(
@@ -34,7 +40,7 @@ def feed(
                 "sec": {"communication": dur - comp[r]},
                 "tc": t + comp[r],
             }
-            out += det.add(0, world, r, [item])
+            out += det.add(0, world, r, recs([item]))
         t += dur
     return out
 
@@ -65,7 +71,7 @@ def test_an_alert_clears_after_clean_windows_and_can_fire_again() -> None:
         dur = max(comp.values())
         for r in range(4):
             events += det2.add(
-                0, 4, r, [{"step": step, "dur": dur, "sec": {"communication": dur - comp[r]}}]
+                0, 4, r, recs([{"step": step, "dur": dur, "sec": {"communication": dur - comp[r]}}])
             )
     assert [e[1]["rank"] for e in events] == [2, 2]  # (no arrival times: compute time used)
 
@@ -73,8 +79,8 @@ def test_an_alert_clears_after_clean_windows_and_can_fire_again() -> None:
 def test_a_new_generation_starts_afresh() -> None:
     det = StragglerDetector(CFG)
     feed(det, 25, {1: 2.0})
-    assert det.add(1, 4, 0, [{"step": 30, "dur": 0.1}]) == [] and det.generation == 1
-    assert det.add(0, 4, 0, [{"step": 31, "dur": 0.1}]) == []  # a late record of the old one
+    assert det.add(1, 4, 0, recs([{"step": 30, "dur": 0.1}])) == [] and det.generation == 1
+    assert det.add(0, 4, 0, recs([{"step": 31, "dur": 0.1}])) == []  # a late record of the old one
 
 
 def test_loss_spike_nan_and_throughput_drop_are_reported_at_their_steps() -> None:
@@ -89,7 +95,8 @@ def test_loss_spike_nan_and_throughput_drop_are_reported_at_their_steps() -> Non
             loss = float("nan")
         dur = 0.1 if step < 300 else 0.25  # a 60% drop from step 300
         events += det.add(
-            0, [{"step": step, "loss": loss, "tokens": 128, "dur": dur * rng.uniform(0.9, 1.1)}]
+            0,
+            recs([{"step": step, "loss": loss, "tokens": 128, "dur": dur * rng.uniform(0.9, 1.1)}]),
         )
     kinds = [(k, d["step"]) for k, d in events]
     assert kinds[:2] == [("loss_spike", 150), ("loss_nonfinite", 220)], kinds

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard import protocol
 from trainguard.controller.api import STEPS_SEEN_GENERATIONS
 from trainguard.controller.ingest import Milestones, addresses_changed, observe
+from trainguard.protocol import StepRecord
 
 
-def report(gen: int | None, at: list[int], **kw: Any) -> dict[str, Any]:
+def report(gen: int | None, at: list[int], **kw: Any) -> protocol.AgentReport:
     """A node's report: generation ``gen``, one running worker per entry of ``at`` (its step)."""
     workers = [
         {"rank": r, "local_rank": r, "pid": 100 + r, "state": "running", "step": s}
         for r, s in enumerate(at)
     ]
-    return {"addr": "10.0.0.1", "incarnation": "a", "generation": gen, "workers": workers, **kw}
+    body = {"node_id": "n", "addr": "10.0.0.1", "incarnation": "a", "generation": gen,
+            "workers": workers, **kw}  # fmt: skip
+    return protocol.report_from_json(body)
+
+
+def recs(items: list[dict[str, Any]]) -> list[StepRecord]:
+    return [StepRecord.from_json(it) for it in items]
 
 
 def test_a_report_after_a_stop_keeps_the_steps_the_one_before_showed() -> None:
@@ -23,7 +31,7 @@ def test_a_report_after_a_stop_keeps_the_steps_the_one_before_showed() -> None:
     o1 = observe("n", report(3, [40, 41]), None, now=1.0)
     o2 = observe("n", report(None, []), o1, now=1.5)
     assert o2.workers == {} and o2.steps_seen == {3: 41}
-    batch = {"generation": 3, "rank": 0, "items": [{"step": 44}]}
+    batch = {"generation": 3, "rank": 0, "items": [{"step": 44, "t_end": 2.0, "dur": 0.1}]}
     assert observe("n", report(None, [], steps=[batch]), o2, now=2.0).steps_seen == {3: 44}
 
 
@@ -49,9 +57,9 @@ def test_milestones_come_once_every_rank_reached_them_at_the_last_rank_s_time() 
     assert m.load("ckpt_load_end", 2, 1, 11.0, world=2) == []
     assert m.load("ckpt_load_end", 2, 0, 11.2, world=2) == [(2, "t_loaded", 11.2)]
     one = [{"step": 31, "t_end": 12.0, "dur": 0.5}, {"step": 32, "t_end": 12.4, "dur": 0.4}]
-    assert m.steps(2, 0, one, world=2) == (None, [])
-    event, got = m.steps(2, 1, [{"step": 31, "t_end": 12.3, "dur": 0.6}], world=2)
+    assert m.steps(2, 0, recs(one), world=2) == (None, [])
+    event, got = m.steps(2, 1, recs([{"step": 31, "t_end": 12.3, "dur": 0.6}]), world=2)
     assert event == {"generation": 2, "step": 31, "t": 12.3}
     assert [(g, n) for g, n, _ in got] == [(2, "t_first_step_start"), (2, "t_first_step")]
     assert abs(got[0][2] - 11.7) < 1e-9 and got[1][2] == 12.3  # start: t_end - dur
-    assert m.steps(2, 1, [{"step": 33, "t_end": 13.0, "dur": 0.4}], world=2) == (None, [])
+    assert m.steps(2, 1, recs([{"step": 33, "t_end": 13.0, "dur": 0.4}]), world=2) == (None, [])

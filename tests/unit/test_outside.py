@@ -64,7 +64,7 @@ def test_cpu_idle_seconds_count_from_the_last_cpu_use(worker: Worker) -> None:
     time.sleep(1.2)
     now = time.monotonic()
     outside.sample(worker, now)  # slept: no CPU since the first sample
-    idle = worker.observe(now)["cpu_idle_s"]
+    idle = worker.observe(now).cpu_idle_s
     assert idle is not None and idle >= 1.2
     assert (
         outside.stalled(worker, DESIRED["hang_timeout_min_s"], now) is None
@@ -74,8 +74,7 @@ def test_cpu_idle_seconds_count_from_the_last_cpu_use(worker: Worker) -> None:
 def test_timed_drills_come_due_after_their_seconds(worker: Worker) -> None:
     from trainguard.faults.inject import parse_inject
 
-    specs = [parse_inject("kill:rank=0:after=0.2", 0).to_json(),
-             parse_inject("node-down:node=1:after=0", 1).to_json()]  # fmt: skip
+    specs = [parse_inject("kill:rank=0:after=0.2", 0), parse_inject("node-down:node=1:after=0", 1)]
     now = worker.started_mono
     assert outside.due_drills(specs, set(), {0: worker}, 0, now + 9) == []  # script not begun
     worker.log_path.write_text("")  # the spare opened the rank's log: its script runs

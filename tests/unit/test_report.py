@@ -11,6 +11,7 @@ import pytest
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.observe.report import build_report, print_report
+from trainguard.protocol import StepRecord
 
 
 def _fault(
@@ -37,7 +38,7 @@ def _run_dir(tmp_path: Path) -> Path:
              "n0": {"ok": True, "problems": []}, "n1": {"ok": False, "problems": ["slow"]}}},
              ts=11.0)  # fmt: skip
     s.record("generation_started", {"generation": 0}, ts=12.0)
-    s.add_steps(0, 0, [{"step": i, "t_end": 12.0 + i, "dur": 0.5} for i in range(1, 31)])
+    s.add_steps(0, 0, [StepRecord(step=i, t_end=12.0 + i, duration_s=0.5) for i in range(1, 31)])
     s.record("ckpt_skipped", {"generation": 0, "skipped_in_a_row": 2}, ts=13.0)
     s.record("stacks", {"generation": 0, "stacks": {"0": "Thread 1\n  File train.py"}}, ts=14.0)
     s.record("straggler", {"generation": 0, "rank": 1, "node": "n0", "steps": [5, 9]}, ts=15.0)
@@ -46,7 +47,7 @@ def _run_dir(tmp_path: Path) -> Path:
     s.record("node_at_risk", {"node": "n1", "reason": "ecc", "action": "drain"}, ts=17.0)
     s.record("pool_changed", {"node": "n1", "to": "faulty", "reason": "sdc"}, ts=18.0)
     s.record("generation_started", {"generation": 1, "restore_step": 20}, ts=20.0)
-    s.add_steps(1, 0, [{"step": i, "t_end": 20.0 + i, "dur": 0.25} for i in range(21, 41)])
+    s.add_steps(1, 0, [StepRecord(step=i, t_end=20.0 + i, duration_s=0.25) for i in range(21, 41)])
     s.record("job_ended", {}, ts=42.0)
     s.put("state", {"phase": "SUCCEEDED", "reason": "done", "incarnation": 1, "generation": 2,
                     "fired": [0], "pools": {"n0": "running", "n1": "faulty"},

@@ -27,6 +27,7 @@ from trainguard.controller.jobstate import Inputs, Suspicion, known_good, suspec
 from trainguard.controller.restore import restore_point
 from trainguard.faults.inject import parse_inject
 from trainguard.health.probe import KnownAnswer
+from trainguard.protocol import StepRecord
 
 
 def test_drill_specs_name_their_target_and_when_a_node_goes_wrong() -> None:
@@ -139,20 +140,25 @@ def test_the_probe_process_answers_and_names_a_wrong_product() -> None:
         os.kill(pid, 0)
 
 
-def _steps(norms: list[float], loss: float = 2.0) -> list[dict]:
-    return [{"step": i + 1, "loss": loss, "dur": 0.1, "gn": g} for i, g in enumerate(norms)]
+def _steps(norms: list[float], loss: float = 2.0) -> list[StepRecord]:
+    return recs([{"step": i + 1, "loss": loss, "dur": 0.1, "gn": g} for i, g in enumerate(norms)])
+
+
+def recs(items: list[dict]) -> list[StepRecord]:
+    """Step records from their wire form (``t_end`` 0 where the test does not need one)."""
+    return [StepRecord.from_json({"t_end": 0.0, **d}) for d in items]
 
 
 def test_a_gradient_norm_far_out_of_line_is_flagged_and_ordinary_swings_are_not() -> None:
     det = AnomalyDetector(DetectConfig())
     calm = [1.0, 1.4, 0.7, 2.5, 0.9, 8.0, 1.1, 0.6]  # 8x swings: training, not corruption
     assert det.add(0, _steps(calm)) == []
-    (kind, data), *_ = det.add(0, [{"step": 9, "loss": 2.0, "dur": 0.1, "gn": 3e4}])
+    (kind, data), *_ = det.add(0, recs([{"step": 9, "loss": 2.0, "dur": 0.1, "gn": 3e4}]))
     assert kind == "grad_norm_spike" and data["step"] == 9 and data["ratio"] > 1000
-    (kind, data), *_ = det.add(0, [{"step": 10, "loss": 2.0, "dur": 0.1, "gn": float("inf")}])
+    (kind, data), *_ = det.add(0, recs([{"step": 10, "loss": 2.0, "dur": 0.1, "gn": float("inf")}]))
     assert kind == "grad_norm_spike" and data["grad_norm"] == "inf"
     # A NaN loss is the loss's event (the script skips the step), not a gradient corruption.
-    evs = det.add(0, [{"step": 11, "loss": float("nan"), "dur": 0.1, "gn": float("nan")}])
+    evs = det.add(0, recs([{"step": 11, "loss": float("nan"), "dur": 0.1, "gn": float("nan")}]))
     assert [k for k, _ in evs] == ["loss_nonfinite"]
     assert AnomalyDetector(DetectConfig(grad_ratio=0)).add(0, _steps([1.0] * 6 + [1e9])) == []
 

@@ -9,7 +9,7 @@ import pytest
 
 from trainguard import protocol
 from trainguard.controller.config import scaled_timing
-from trainguard.protocol import PROTOCOL_VERSION, ProtocolError, validate_report
+from trainguard.protocol import PROTOCOL_VERSION, ProtocolError, report_from_json, report_to_json
 
 GOOD = {
     "v": PROTOCOL_VERSION,
@@ -19,14 +19,30 @@ GOOD = {
     "generation": 3,
     "workers": [{"rank": 0, "local_rank": 0, "pid": 1, "state": "running", "step": 9}],
     "memory": {"0": [[8, 3], [9, 3]]},
-    "steps": [{"generation": 3, "rank": 0, "items": [{"step": 9}]}],
+    "steps": [{"generation": 3, "rank": 0, "items": [{"step": 9, "t_end": 1000.0, "dur": 0.1}]}],
     "store": [3, 29500],
 }
 
 
 def test_a_well_formed_report_passes_and_unknown_fields_are_allowed() -> None:
-    validate_report(GOOD)
-    validate_report({**GOOD, "something_newer": {"x": 1}})
+    report_from_json(GOOD)
+    report_from_json({**GOOD, "something_newer": {"x": 1}})
+
+
+def test_a_report_survives_the_wire_typed() -> None:
+    r = report_from_json(GOOD)
+    assert (r.node_id, r.generation, r.store) == ("node0", 3, (3, 29500))
+    assert r.workers[0].rank == 0 and r.workers[0].state == "running" and r.workers[0].step == 9
+    assert r.ckptd.memory == {0: [(8, 3), (9, 3)]}
+    assert r.steps[0].items == [protocol.StepRecord(step=9, t_end=1000.0, duration_s=0.1)]
+    full = {**GOOD, "events": [{"kind": "ckpt_durable", "step": 9, "ts": 5.0}],
+            "health": {"ok": False, "problems": ["disk"], "signals": {"edac_ce": 1}},
+            "checks": [{"task": "1-node", "result": {"ok": True}}], "time": 7.0}  # fmt: skip
+    wire = json.loads(json.dumps(report_to_json(report_from_json(full))))
+    assert report_from_json(wire) == report_from_json(full)
+    back = report_from_json(wire)
+    assert back.events[0].step == 9 and back.events[0].to_json() == full["events"][0]
+    assert back.health.problems == ("disk",) and back.checks[0].task == "1-node"
 
 
 @pytest.mark.parametrize(
@@ -47,7 +63,7 @@ def test_a_well_formed_report_passes_and_unknown_fields_are_allowed() -> None:
 )
 def test_a_malformed_field_is_named(change: dict[str, object], says: str) -> None:
     with pytest.raises(ProtocolError, match=None) as e:
-        validate_report({**GOOD, **change})
+        report_from_json({**GOOD, **change})
     assert says in str(e.value), str(e.value)
 
 
@@ -67,14 +83,16 @@ CKPT = protocol.CkptConf(dir="/c", shm_dir="/dev/shm", keep=3, memory_tier=True)
         protocol.Idle(),
         protocol.Idle(nproc_per_node=8, ckpt=CKPT),
         protocol.Shutdown(phase="SUCCEEDED", reason="all 16 ranks finished"),
-        protocol.Check(task={"run": 1, "stage": "node", "level": "quick"}),
+        protocol.Check(task=protocol.CheckTask(id="1-node", run=1, stage="node", node_id="node0",
+                                               level="quick", deadline_s=60.0,
+                                               params={"gemm_n": 512, "inject": []})),
         protocol.Stop(generation=2, grace_s=15.0),
         protocol.Stop(generation=2, grace_s=15.0, dump_stacks=True, persist=(40, 2)),
         protocol.Run(
             generation=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4,
             master_addr="127.0.0.2", master_port=29500, host_store=True, restore_step=30,
             restore_gen=0, restore_memory=True, ckpt=CKPT, restarts=1, max_restarts=3,
-            injects=[{"id": 0, "kind": "kill", "rank": 1, "step": 5}], script="train.py",
+            injects=[protocol.InjectSpec(id=0, kind="kill", rank=1, step=5)], script="train.py",
             launch="script", log_dir=None, script_args=["--steps", "60"], hang_timeout_s=None,
             hang_timeout_min_s=30.0, hang_timeout_max_s=600.0, first_step_timeout_s=600.0,
             heartbeat_s=0.5, node_timeout_s=10.0, replica_peers=["127.0.0.3:4000"],

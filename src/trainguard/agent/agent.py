@@ -50,8 +50,8 @@ from trainguard.protocol import (
     Idle,
     Run,
     Shutdown,
+    StepRecord,
     Stop,
-    desired_from_json,
 )
 from trainguard.protocol import ckptd as ckptd_wire
 from trainguard.protocol.worker import (
@@ -140,8 +140,8 @@ class Agent:
         self._signals_mono = -1e9
         self._stopped_generation = -1
         self._store: tuple[int, Any] | None = None
-        self._events: list[dict[str, Any]] = []
-        self._steps: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        self._events: list[protocol.ReportEvent] = []
+        self._steps: dict[tuple[int, int], list[StepRecord]] = {}
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "errors").mkdir(parents=True, exist_ok=True)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -267,17 +267,19 @@ class Agent:
             self._desired = (self._desired[0] + 1, desired)
         self._wake.set()
 
-    def _health(self) -> dict[str, Any]:
+    def _health(self) -> protocol.HealthReport:
         shm = Path(self.ckptd.ckpt.shm_dir if self.ckptd.ckpt else "/dev/shm")
         ok, problems = host_health(self.cfg.run_dir, shm)
         now = time.monotonic()
         if now - self._signals_mono >= SIGNALS_S:  # NVML calls: not on every heartbeat
             self._signals, self._signals_mono = self._signal_reader.read(), now
-        out = {"ok": ok, "problems": problems, "signals": self._signals}
         probe = self.probe.latest
-        if probe is not None:
-            out["probe"] = probe
-        return out
+        return protocol.HealthReport(
+            ok=ok,
+            problems=tuple(problems),
+            signals=self._signals,
+            probe=None if probe is None else protocol.ProbeReport.from_json(probe),
+        )
 
     def _probe_context(self) -> tuple[int, int, bool] | None:
         """(generation, newest step its ranks here finished or the restore step before the
@@ -292,8 +294,8 @@ class Agent:
             return None
         step = max(steps) if steps else (d.restore_step or 0)  # before its first step
         for spec in d.injects:  # the drill: this node's GEMMs go wrong from step S on
-            if spec.get("kind") == "gemm-wrong" and f"node{spec.get('node')}" == self.cfg.node_id:
-                self._gemm_wrong |= step + 1 >= int(spec.get("step") or 0)
+            if spec.kind == "gemm-wrong" and f"node{spec.node}" == self.cfg.node_id:
+                self._gemm_wrong |= step + 1 >= (spec.step or 0)
         return gen, step, self._gemm_wrong
 
     def _fence(self) -> None:
@@ -564,7 +566,7 @@ class Agent:
                     w.durations.append(rec.duration_s)
                     with self._lock:
                         steps = self._steps.setdefault((self.generation, w.rank), [])
-                        steps.append(rec.to_json())
+                        steps.append(rec)
                 case WorkerEvent():
                     fired = it.fired_step
                     if fired is not None and (w.step is None or fired > w.step):
@@ -582,8 +584,9 @@ class Agent:
 
     def _event(self, kind: str, **data: Any) -> None:
         data.setdefault("ts", time.time())
+        event = protocol.ReportEvent.from_json({"kind": kind, **data})
         with self._lock:
-            self._events.append({"kind": kind, **data})
+            self._events.append(event)
 
     # ------------------------------------------------------------------ controller I/O
     def refresh_ckptd(self) -> None:
@@ -592,52 +595,63 @@ class Agent:
         next report carries the result: the heartbeat never waits on ckptd."""
         workers = list(self.group.workers.values())  # one C-level copy: no torn iteration
         idle = not any(w.state == "running" for w in workers)
-        events = self.ckptd.refresh(self._desired[1], rescan=idle)
+        events = [
+            protocol.ReportEvent.from_json(e)
+            for e in self.ckptd.refresh(self._desired[1], rescan=idle)
+        ]
         if events:
             with self._lock:
                 self._events.extend(events)
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> protocol.AgentReport:
         now = time.monotonic()
+        # What may raise first: the events and step records are taken last, so none is lost.
+        workers = [w.observe(now) for w in list(self.workers.values())]
+        ckptd, health, checks = self._ckptd_status(), self._health(), self.checks.report()
         with self._lock:
             events, self._events = self._events, []
             steps, self._steps = self._steps, {}
-        return {
-            "v": protocol.PROTOCOL_VERSION,
-            "node_id": self.cfg.node_id,
-            "addr": self.cfg.addr,
-            "incarnation": self.incarnation,
-            "generation": self.generation,
-            "desired_version": self._desired[0],  # the reply then omits a desired state it has
-            "workers": [w.observe(now) for w in list(self.workers.values())],
-            "hang": self._hang,
-            "stopped_generation": self._stopped_generation,
-            "fenced_generation": self._fenced_generation,
-            "stopped_at": self.group.stopped_at,
-            "cleaned_at": self.group.cleaned_at,
-            "store": None if self._store is None else [self._store[0], self._store[1].port],
-            "events": events,
-            "memory": self.ckptd.memory,
-            "fingerprints": self.ckptd.fingerprints,
-            "ckptd_idle": self.ckptd.idle,
-            "ckptd_at": self.ckptd.refreshed_at,  # when that index was asked for
-            "health": self._health(),
-            "checks": self.checks.report(),
-            "time": time.time(),  # the controller measures clock skew from it
-            "replicas": self.ckptd.replicas,
-            "replica_addr": self.ckptd.replica_addr,
-            "steps": [{"generation": g, "rank": r, "items": its} for (g, r), its in steps.items()],
-        }
+        return protocol.AgentReport(
+            node_id=self.cfg.node_id,
+            addr=self.cfg.addr,
+            incarnation=self.incarnation,
+            generation=self.generation,
+            desired_version=self._desired[0],  # the reply then omits a desired state it has
+            workers=workers,
+            hang=self._hang,
+            stopped_generation=self._stopped_generation,
+            fenced_generation=self._fenced_generation,
+            stopped_at=self.group.stopped_at,
+            cleaned_at=self.group.cleaned_at,
+            store=None if self._store is None else (self._store[0], self._store[1].port),
+            events=events,
+            ckptd=ckptd,
+            health=health,
+            checks=checks,
+            time=time.time(),  # the controller measures clock skew from it
+            steps=[
+                protocol.StepBatch(generation=g, rank=r, items=its) for (g, r), its in steps.items()
+            ],
+        )
+
+    def _ckptd_status(self) -> protocol.CkptdStatus:
+        """What the node's ckptd held when ``refresh_ckptd`` last asked it."""
+        c = self.ckptd
+        return protocol.CkptdStatus.from_json(
+            {"memory": c.memory, "replicas": c.replicas, "fingerprints": c.fingerprints,
+             "ckptd_idle": c.idle, "ckptd_at": c.refreshed_at, "replica_addr": c.replica_addr}
+        )  # fmt: skip
 
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
     ) -> dict[str, Any]:
         return self._link.request(method, path, body, timeout_s)
 
-    def _accept(self, reply: dict[str, Any]) -> None:
+    def _accept(self, body: dict[str, Any]) -> None:
+        reply = protocol.reply_from_json(body)
         with self._lock:
-            if int(reply["version"]) > self._desired[0]:
-                self._desired = (int(reply["version"]), desired_from_json(reply["desired"]))
+            if reply.version > self._desired[0] and reply.desired is not None:
+                self._desired = (reply.version, reply.desired)
                 self._wake.set()
 
     def _unreachable(self, e: BaseException) -> None:
@@ -663,7 +677,9 @@ class Agent:
         are kept for the next report."""
         snap = self._snapshot()
         try:
-            self._accept(self._request("POST", "/v1/report", snap, timeout_s))
+            self._accept(
+                self._request("POST", "/v1/report", protocol.report_to_json(snap), timeout_s)
+            )
             self._refused_since = None
             self._last_report_ok = time.monotonic()
             return True
@@ -675,9 +691,9 @@ class Agent:
                     log.error("giving up: another live agent uses node id %s", self.cfg.node_id)
                     self._shutdown.set()
             with self._lock:  # keep what was not delivered for the next attempt (bounded)
-                self._events[:0] = snap["events"][-10_000:]
-                for b in snap["steps"]:
-                    self._steps.setdefault((b["generation"], b["rank"]), [])[:0] = b["items"]
+                self._events[:0] = snap.events[-10_000:]
+                for b in snap.steps:
+                    self._steps.setdefault((b.generation, b.rank), [])[:0] = b.items
             return False
 
     def _report_loop(self) -> None:

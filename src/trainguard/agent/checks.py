@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.protocol import CheckResult, CheckTask
+
 KEEP_RESULTS = 4  # results reported with every heartbeat until the task is this old
 
 
@@ -41,12 +43,12 @@ class CheckRunner:
         self.results: dict[str, dict[str, Any]] = {}  # task id → result, newest last
         self._lock = threading.Lock()  # results are read by the agent's report thread
 
-    def run(self, task: dict[str, Any], env: dict[str, str]) -> None:
+    def run(self, task: CheckTask, env: dict[str, str]) -> None:
         """Make ``task`` the one running (or finished); call every agent loop."""
-        if task["id"] in self.results:
+        if task.id in self.results:
             return
         r = self._running
-        if r is not None and r.id != task["id"]:
+        if r is not None and r.id != task.id:
             self.stop()
             r = None
         if r is None:
@@ -56,13 +58,13 @@ class CheckRunner:
             self._collect(r)
         elif time.monotonic() > r.deadline:
             self.stop()
-            self._done(r.id, {"error": f"check did not finish within {task['deadline_s']:.0f} s"})
+            self._done(r.id, {"error": f"check did not finish within {task.deadline_s:.0f} s"})
 
-    def _start(self, task: dict[str, Any], env: dict[str, str]) -> None:
+    def _start(self, task: CheckTask, env: dict[str, str]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        stem = self.dir / f"{self.node_id}.{task['id']}"
-        task = {**task, "agent_pid": os.getpid(), "store_host": self.controller_host}
-        Path(f"{stem}.task.json").write_text(json.dumps(task))
+        stem = self.dir / f"{self.node_id}.{task.id}"
+        body = {**task.to_json(), "agent_pid": os.getpid(), "store_host": self.controller_host}
+        Path(f"{stem}.task.json").write_text(json.dumps(body))
         out = Path(f"{stem}.result.json")
         out.unlink(missing_ok=True)
         log = open(f"{stem}.log", "ab")  # noqa: SIM115 - closed when the task ends
@@ -75,7 +77,7 @@ class CheckRunner:
         )
         now = time.monotonic()
         self._running = _Running(
-            id=task["id"], proc=proc, out=out, log=log, deadline=now + float(task["deadline_s"]),
+            id=task.id, proc=proc, out=out, log=log, deadline=now + float(task.deadline_s),
             started=now,
         )  # fmt: skip
 
@@ -107,6 +109,6 @@ class CheckRunner:
             r.proc.wait(timeout=5.0)
         r.log.close()
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[CheckResult]:
         with self._lock:
-            return [{"task": k, "result": v} for k, v in self.results.items()]
+            return [CheckResult(task=k, result=v) for k, v in self.results.items()]

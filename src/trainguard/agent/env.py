@@ -74,7 +74,7 @@ def worker_env(
         rt_api.ENV_RUN_DIR: run_dir,
         rt_api.ENV_GENERATION: str(gen),
         rt_api.ENV_RESTORE_STEP: "" if d.restore_step is None else str(d.restore_step),
-        rt_api.ENV_INJECT: json.dumps(d.injects),
+        rt_api.ENV_INJECT: json.dumps([i.to_json() for i in d.injects]),
         # the runtime → agent beat stays local and fast whatever the report period
         rt_api.ENV_HEARTBEAT_S: str(min(d.heartbeat_s, rt_api.DEFAULT_HEARTBEAT_S)),
         rt_api.ENV_CKPT_DIR: str(d.ckpt.dir),

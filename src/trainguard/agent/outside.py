@@ -22,7 +22,6 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
 
 import psutil
 
@@ -86,7 +85,7 @@ def stalled(w: Worker, limit: float, now_mono: float) -> tuple[float, float, str
 
 
 def due_drills(
-    specs: list[dict[str, Any]],
+    specs: list[InjectSpec],
     fired: set[int],
     workers: dict[int, Worker],
     node_rank: int,
@@ -95,8 +94,7 @@ def due_drills(
     """The timed drills (``after=T``) due now on this node, with the worker each targets
     (for node-down: the node's first worker)."""
     due = []
-    for d in specs:
-        spec = InjectSpec.from_json(d)
+    for spec in specs:
         if spec.after is None or spec.id in fired:
             continue
         if spec.kind == "node-down":

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import psutil
 
+from trainguard.protocol import WorkerReport
 from trainguard.protocol.worker import Heartbeat
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -68,31 +69,31 @@ class Worker:
         default_factory=lambda: collections.deque(maxlen=64)
     )
 
-    def observe(self, now_mono: float) -> dict[str, Any]:
-        """The WorkerObs fields the controller receives (controller/api.py)."""
+    def observe(self, now_mono: float) -> WorkerReport:
+        """The worker as the controller receives it (its report's ``workers`` entry)."""
         ref = self.last_progress_mono if self.last_progress_mono is not None else self.started_mono
-        return {
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "pid": self.proc.pid,
-            "state": self.state,
-            "exit_code": self.exit_code,
-            "error": self.error,
-            "step": self.step,
-            "progress_age_s": now_mono - ref,
-            "heartbeat_age_s": None if self.last_hb_mono is None else now_mono - self.last_hb_mono,
-            "exited_at": self.exited_at,
-            "last_progress_at": self.last_progress_at,
-            "coll": list(self.coll) if self.coll is not None else None,
-            "total_steps": self.total_steps,
-            "proc_state": self.proc_state,
-            "in_trainguard": self.in_trainguard_mono is not None
+        return WorkerReport(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            pid=self.proc.pid,
+            state=self.state,
+            exit_code=self.exit_code,
+            error=self.error,
+            step=self.step,
+            progress_age_s=now_mono - ref,
+            heartbeat_age_s=None if self.last_hb_mono is None else now_mono - self.last_hb_mono,
+            exited_at=self.exited_at,
+            last_progress_at=self.last_progress_at,
+            coll=list(self.coll) if self.coll is not None else None,
+            total_steps=self.total_steps,
+            proc_state=self.proc_state,
+            in_trainguard=self.in_trainguard_mono is not None
             and now_mono - self.in_trainguard_mono < IN_TRAINGUARD_S,
-            "cpu_idle_s": None
+            cpu_idle_s=None
             if self.cpu_progress_mono is None
             else max(0.0, now_mono - self.cpu_progress_mono),
-            "runtime": self.last_hb_mono is not None,
-        }
+            runtime=self.last_hb_mono is not None,
+        )
 
     def read_error(self) -> str | None:
         """First failure's exception and traceback from the error file, else the log's tail

@@ -64,6 +64,8 @@ import math
 import statistics
 from typing import Any
 
+from trainguard.protocol import StepRecord
+
 Event = tuple[str, dict[str, Any]]
 
 
@@ -79,11 +81,6 @@ class DetectConfig:
     tp_recent: int = 20
     tp_baseline: int = 100
     tp_drop: float = 0.4
-
-
-def _compute_s(it: dict[str, Any]) -> float:
-    comm = float((it.get("sec") or {}).get("communication", 0.0))
-    return max(0.0, float(it["dur"]) - comm)
 
 
 class StragglerDetector:
@@ -103,9 +100,7 @@ class StragglerDetector:
         self.alerted: set[int] = set()
         self.scores: dict[int, float] = {}  # rank → excess own work / step time, newest window
 
-    def add(
-        self, generation: int, world: int, rank: int, items: list[dict[str, Any]]
-    ) -> list[Event]:
+    def add(self, generation: int, world: int, rank: int, items: list[StepRecord]) -> list[Event]:
         """Take one rank's step records; returns the events of every window now complete."""
         if generation != self.generation:
             if generation < self.generation:
@@ -114,16 +109,16 @@ class StragglerDetector:
             self.generation = generation
         self.world = world
         for it in items:
-            step = int(it["step"])
+            step = it.step
             first = self._first.setdefault(rank, step)
             self._newest[rank] = max(self._newest.get(rank, step), step)
             if step == first:
                 continue  # includes process start and restore
-            comm = float((it.get("sec") or {}).get("communication", 0.0))
-            own = it.get("gap") if it.get("gap") is not None else it.get("tc")
-            kind = "gap" if it.get("gap") is not None else "tc"
+            comm = it.sections.get("communication", 0.0)
+            own = it.gap if it.gap is not None else it.t_coll
+            kind = "gap" if it.gap is not None else "tc"
             row = self._steps.setdefault(step, {})
-            row[rank] = (float(own) if own is not None else None, float(it["dur"]), comm, kind)
+            row[rank] = (float(own) if own is not None else None, it.duration_s, comm, kind)
         return self._evaluate()
 
     def _evaluate(self) -> list[Event]:
@@ -223,7 +218,7 @@ class AnomalyDetector:
         self.dropped = False
         self.generation = -1
 
-    def add(self, generation: int, items: list[dict[str, Any]]) -> list[Event]:
+    def add(self, generation: int, items: list[StepRecord]) -> list[Event]:
         out: list[Event] = []
         if generation != self.generation:
             self.generation = generation
@@ -232,17 +227,17 @@ class AnomalyDetector:
         else:
             first = False
         for it in items:
-            step, loss = int(it["step"]), it.get("loss")
+            step, loss = it.step, it.loss
             if loss is not None and not math.isfinite(float(loss)):
                 out.append(
                     ("loss_nonfinite", {"generation": generation, "step": step, "loss": str(loss)})
                 )
             elif loss is not None:
                 out += self._spike(generation, step, float(loss))
-                if it.get("gn") is not None:
-                    out += self._grad(generation, step, float(it["gn"]))
-            if not first and it.get("tokens") and float(it["dur"]) > 0:
-                self.tps.append(float(it["tokens"]) / float(it["dur"]))
+                if it.grad_norm is not None:
+                    out += self._grad(generation, step, float(it.grad_norm))
+            if not first and it.tokens and it.duration_s > 0:
+                self.tps.append(float(it.tokens) / it.duration_s)
                 out += self._throughput(generation, step)
             first = False
         return out

@@ -7,6 +7,7 @@ import enum
 from typing import Any
 
 from trainguard.protocol import FaultCause
+from trainguard.protocol.report import WorkerReport
 
 # Phases of a recovery, in order, each timed from the end of the previous one; then the sum.
 RECOVERY_PHASES = (
@@ -62,27 +63,8 @@ class Pool(enum.StrEnum):
     RETIRED = "retired"
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class WorkerObs:
-    """A worker as its agent last reported it. Ages are seconds, measured by the agent."""
-
-    rank: int
-    local_rank: int
-    pid: int
-    state: str  # "starting" | "running" | "succeeded" | "failed" | "stopped"
-    exit_code: int | None = None  # negative: killed by that signal
-    error: str | None = None  # first failing exception and traceback (error file), or log tail
-    step: int | None = None  # last step reported by the runtime
-    progress_age_s: float | None = None  # since the step counter last advanced (or since start)
-    heartbeat_age_s: float | None = None  # since the runtime's last heartbeat
-    exited_at: float | None = None  # wall clock, when the agent saw the exit
-    last_progress_at: float | None = None  # wall clock of the last step advance
-    coll: list[int] | None = None  # collectives [issued, done] (runtime timing; hang localization)
-    total_steps: int | None = None  # the step the script ends at (trainguard.init(total_steps=…))
-    proc_state: str | None = None  # its process as the kernel has it; "stopped": SIGSTOP / ptrace
-    runtime: bool = False  # its script runs trainguard's runtime (heartbeats seen)
-    cpu_idle_s: float | None = None  # since its process tree last used CPU (agent/outside.py)
-    in_trainguard: bool = False  # waiting inside trainguard (keep-alives): not a hang
+# A worker as its agent last reported it: the report's own type (one definition).
+WorkerObs = WorkerReport
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -63,7 +63,7 @@ def desired_for(
     ring = ring if ring is not None else ring_of(s)
     master = ring[0]
     # Each drill fires once per job, but a node whose GEMMs went wrong stays wrong (a defect).
-    injects = [i.to_json() for i in cfg.injects if i.id not in s.fired or i.kind == "gemm-wrong"]
+    injects = [i for i in cfg.injects if i.id not in s.fired or i.kind == "gemm-wrong"]
     return Run(
         generation=s.generation,
         node_rank=rank,

@@ -6,12 +6,7 @@ without the runtime idle on every rank), stuck exits, rendezvous timeouts. Pure.
 from __future__ import annotations
 
 from trainguard.controller.analysis import localize_hang
-from trainguard.controller.api import (
-    Fault,
-    NodeObs,
-    Phase,
-    WorkerObs,
-)
+from trainguard.controller.api import Fault, NodeObs, Phase, WorkerObs
 from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import (
     Event,
@@ -154,9 +149,25 @@ def detect_fault(
     workers: list[tuple[str, WorkerObs]] | None = None,
 ) -> Fault | None:
     """First fault of the current generation, culprit localized where the reports allow.
-    ``workers``: ``gen_workers(s, obs)`` if the caller has it."""
-    gen = s.generation
+    ``workers``: ``gen_workers(s, obs)`` if the caller has it. In order: a lost or fenced
+    node, a failed worker, a hang (runtime progress, then CPU use of plain scripts), a
+    rendezvous past its timeout."""
     workers = gen_workers(s, obs) if workers is None else workers
+    fault = _node_fault(s, obs, now, cfg)
+    if fault is not None:
+        return fault
+    failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
+    if failed:
+        return _exit_fault(s, now, cfg, workers, failed)
+    return (
+        _hang_fault(s, obs, now, cfg, workers)
+        or _wedged_fault(s, now, cfg, workers)
+        or _rendezvous_fault(s, now, cfg)
+    )
+
+
+def _node_fault(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Fault | None:
+    """A node lost (no heartbeat, or a rebooted agent) or fenced (it lost the controller)."""
     lost = lost_nodes(s, obs, now, cfg)
     if lost:
         n = lost[0]
@@ -166,16 +177,27 @@ def detect_fault(
             seen = obs[n].last_seen if n in obs else s.phase_since
             why = f"no heartbeat from {n} for {now - seen:.1f}s"
         return node_fault(s, FaultCause.NODE_LOST, n, seen, now, why)
-    fenced = [n for n in s.assignment if n in obs and obs[n].fenced_generation == gen]
+    fenced = [n for n in s.assignment if n in obs and obs[n].fenced_generation == s.generation]
     if fenced:
         why = f"node {fenced[0]} stopped its workers: it lost contact with the controller"
         return node_fault(s, FaultCause.NODE_FENCED, fenced[0], now, now, why)
-    failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
+    return None
+
+
+def _exit_fault(
+    s: JobState,
+    now: float,
+    cfg: JobConfig,
+    workers: list[tuple[str, WorkerObs]],
+    failed: list[tuple[float, str, WorkerObs]],
+) -> Fault | None:
+    """The first failed worker that is not a victim of a peer's death; None while only
+    victims have failed, for a moment (the culprit's report, or its node's loss, follows)."""
+    gen = s.generation
     culprits = [f for f in failed if not victim(f[2].error)]
-    settle_s = 2 * cfg.timeouts.heartbeat_s
-    if failed and not culprits and now - min(f[0] for f in failed) < settle_s:
+    if not culprits and now - min(f[0] for f in failed) < 2 * cfg.timeouts.heartbeat_s:
         return None  # only victims so far: give the culprit's report (or node loss) a moment
-    if failed and not culprits:
+    if not culprits:
         # The peers lost their connection: a rank that had already exited 0 left them (a
         # trainer that exits 0 on SIGTERM, a rank that skipped its last steps).
         first = min(f[0] for f in failed)
@@ -189,60 +211,79 @@ def detect_fault(
             why = "exited with status 0 at step {} while its peers were still running (left "
             why += "early); they lost their connection to it"
             return _worker_fault(gen, n, w, t, now, FaultCause.WORKER_EXIT, why.format(w.step))
-    if failed:
-        t, n, w = min(culprits or failed, key=lambda x: x[0])
-        code = w.exit_code or 0
-        cause = FaultCause.WORKER_CRASH if code < 0 else FaultCause.WORKER_EXIT
-        what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
+    t, n, w = min(culprits or failed, key=lambda x: x[0])
+    code = w.exit_code or 0
+    cause = FaultCause.WORKER_CRASH if code < 0 else FaultCause.WORKER_EXIT
+    what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    return _worker_fault(gen, n, w, t, now, cause, what + (f": {w.error}" if w.error else ""))
+
+
+def _hang_fault(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    workers: list[tuple[str, WorkerObs]],
+) -> Fault | None:
+    """A node's hang watch fired (no failed worker): the rank that holds the others."""
+    gen = s.generation
     hung = [n for n in s.assignment if n in obs and obs[n].hang and obs[n].generation == gen]
     live = [w for _, w in workers if w.state == "running"]
-    if hung and len(live) < world_of(s, cfg) and not failed:
-        hung = []  # the others exited 0: the last ranks are finishing; exit_grace_s bounds it
-    if hung and any(w.in_trainguard for w in live):
-        hung = []  # a rank waits inside trainguard (ckptd, a slot, durability): its deadlines bound it
-    if hung:
-        n, w, how, waiting = localize_hang(workers, 2 * cfg.timeouts.heartbeat_s + 1)
-        victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
-        return Fault(
-            cause=FaultCause.HANG,
-            generation=gen,
-            rank=w.rank,
-            node_id=n,
-            step=w.step,
-            t_fault=w.last_progress_at or now,
-            t_detected=now,
-            message=f"no progress; rank {w.rank} on {n} {how}"
-            + (f", at step {w.step}" if w.step is not None else "")
-            + victims,
-        )
+    if not hung or len(live) < world_of(s, cfg):
+        return None  # the others exited 0: the last ranks are finishing; exit_grace_s bounds it
+    if any(w.in_trainguard for w in live):
+        return None  # a rank waits inside trainguard (ckptd, a slot, durability): its deadlines bound it
+    n, w, how, waiting = localize_hang(workers, 2 * cfg.timeouts.heartbeat_s + 1)
+    victims = f"; ranks {sorted(waiting)} wait in a collective" if waiting else ""
+    return Fault(
+        cause=FaultCause.HANG,
+        generation=gen,
+        rank=w.rank,
+        node_id=n,
+        step=w.step,
+        t_fault=w.last_progress_at or now,
+        t_detected=now,
+        message=f"no progress; rank {w.rank} on {n} {how}"
+        + (f", at step {w.step}" if w.step is not None else "")
+        + victims,
+    )
+
+
+def _wedged_fault(
+    s: JobState, now: float, cfg: JobConfig, workers: list[tuple[str, WorkerObs]]
+) -> Fault | None:
+    """A script without the runtime whose ranks all stopped using CPU."""
     wedged = _wedged_without_runtime(s, cfg, workers)
-    if wedged is not None:
-        n, w, limit = wedged
-        return Fault(
-            cause=FaultCause.HANG,
-            generation=gen,
-            rank=w.rank,
-            node_id=n,
-            step=None,
-            t_fault=now - (w.cpu_idle_s or 0.0),
-            t_detected=now,
-            message=f"no progress; no rank used CPU for {limit:.0f}s (the script reports no "
-            f"steps, so which rank holds the others is unknown; rank {w.rank} on {n} idled "
-            "longest)",
-        )
-    if s.phase == Phase.RENDEZVOUS and now - s.phase_since > cfg.timeouts.rendezvous_timeout_s:
-        return Fault(
-            cause=FaultCause.RENDEZVOUS_TIMEOUT,
-            generation=gen,
-            rank=None,
-            node_id=None,
-            step=None,
-            t_fault=s.phase_since,
-            t_detected=now,
-            message=f"not all ranks started in {cfg.timeouts.rendezvous_timeout_s}s",
-        )
-    return None
+    if wedged is None:
+        return None
+    n, w, limit = wedged
+    return Fault(
+        cause=FaultCause.HANG,
+        generation=s.generation,
+        rank=w.rank,
+        node_id=n,
+        step=None,
+        t_fault=now - (w.cpu_idle_s or 0.0),
+        t_detected=now,
+        message=f"no progress; no rank used CPU for {limit:.0f}s (the script reports no "
+        f"steps, so which rank holds the others is unknown; rank {w.rank} on {n} idled "
+        "longest)",
+    )
+
+
+def _rendezvous_fault(s: JobState, now: float, cfg: JobConfig) -> Fault | None:
+    if s.phase != Phase.RENDEZVOUS or now - s.phase_since <= cfg.timeouts.rendezvous_timeout_s:
+        return None
+    return Fault(
+        cause=FaultCause.RENDEZVOUS_TIMEOUT,
+        generation=s.generation,
+        rank=None,
+        node_id=None,
+        step=None,
+        t_fault=s.phase_since,
+        t_detected=now,
+        message=f"not all ranks started in {cfg.timeouts.rendezvous_timeout_s}s",
+    )
 
 
 def blame_lost_node(

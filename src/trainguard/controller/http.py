@@ -146,21 +146,20 @@ class HttpApi:
         coalesced tick (``_tick_loop``), so a report costs work proportional to itself, not
         to the job; a desired state the next tick changes reaches the agent by its long poll."""
         try:
-            body = await request.json()
-            protocol.validate_report(body)
+            report = protocol.report_from_json(await request.json())
         except ValueError as e:  # bad JSON (json.JSONDecodeError) or a ProtocolError
             log.warning("refused a malformed report from %s: %s", request.remote, e)
             return web.json_response({"error": f"malformed report: {e}"}, status=400)
-        node_id = str(body["node_id"])
+        node_id = report.node_id
         old = self.ctl.obs.get(node_id)
         if (
             old is not None
-            and old.incarnation != str(body["incarnation"])
+            and old.incarnation != report.incarnation
             and time.time() - old.last_seen < 2 * self.ctl.cfg.timeouts.heartbeat_s + 0.5
         ):
             # Another agent still reports under this node id (a rebooted node's old agent has
             # stopped reporting by now): two hosts share a name.
-            log.warning("refused a second live agent for node %s from %s", node_id, body["addr"])
+            log.warning("refused a second live agent for node %s from %s", node_id, report.addr)
             return web.json_response(
                 {
                     "error": f"node id {node_id} is in use by a live agent at {old.addr}; "
@@ -169,14 +168,15 @@ class HttpApi:
                 status=409,
             )
         try:
-            self.ctl.ingest(node_id, body)
-        except (KeyError, TypeError, ValueError) as e:  # a shape validate_report let through
+            self.ctl.ingest(report)
+        except (KeyError, TypeError, ValueError) as e:  # a shape report_from_json let through
             log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
             return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
         version, desired = self.ctl.desired.get(node_id, (0, protocol.Idle()))
-        if body.get("desired_version") == version:
-            return web.json_response({"version": version})  # the agent has it: no body to send
-        return web.json_response({"version": version, "desired": protocol.desired_to_json(desired)})
+        if report.desired_version == version:  # the agent has it: no body to send
+            return web.json_response(protocol.reply_to_json(protocol.DesiredReply(version=version)))
+        reply = protocol.DesiredReply(version=version, desired=desired)
+        return web.json_response(protocol.reply_to_json(reply))
 
     async def _get_desired(self, request: web.Request) -> web.Response:
         node_id = request.query.get("node", "")
@@ -190,7 +190,9 @@ class HttpApi:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.ctl.changed.wait_for(newer), timeout=wait_s)
         v, desired = self.ctl.desired.get(node_id, (0, protocol.Idle()))
-        return web.json_response({"version": v, "desired": protocol.desired_to_json(desired)})
+        return web.json_response(
+            protocol.reply_to_json(protocol.DesiredReply(version=v, desired=desired))
+        )
 
     async def _status(self, request: web.Request) -> web.Response:
         out = state_json(self.ctl.state)

@@ -1,46 +1,62 @@
-"""From an agent's report to what the controller decides on: the node's observation
-(``observe``: the latest report, with the facts that must outlive a report folded in) and the
-recovery milestones every rank must reach (``Milestones``). Pure; the executor (server.py)
-records the events and hands the milestones to ``decide`` as ``Inputs``."""
+"""The controller's one intake: from an agent's report to the facts the controller acts on.
+
+``Intake.take`` folds a report into the node's observation (``observe``: the latest report,
+with the facts that must outlive a report folded in), records its events and step records,
+and hands over what it learned, facts only: the recovery milestones every rank must reach
+(``Milestones``), fired drills, unusable restore points, signs of silent corruption, and the
+detectors' findings (``detectors.DETECTORS``: stragglers, anomalies, nodes at risk, failed
+GEMM probes). It decides nothing: what to do about a finding (evict, drain, quarantine, keep)
+is ``policy.react``'s, applied by the executor (server.py), which hands both to ``decide`` as
+``Inputs``.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from trainguard.controller.api import STEPS_SEEN_GENERATIONS, NodeObs, WorkerObs
+from trainguard.controller.api import STEPS_SEEN_GENERATIONS, NodeObs
+from trainguard.controller.config import JobConfig
+from trainguard.controller.detectors import Detector, Finding, Seen, detectors
+from trainguard.controller.jobstate import Inputs, JobState
+from trainguard.controller.monitor import Monitor
+from trainguard.controller.pools import world_of
+from trainguard.controller.store import Store
+from trainguard.health.coordinator import Preflight
+from trainguard.protocol import AgentReport, ProtocolError, ReportEvent, StepBatch, StepRecord
+
+log = logging.getLogger("trainguard.controller")
 
 
-def observe(node_id: str, body: dict[str, Any], old: NodeObs | None, now: float) -> NodeObs:
-    """Node ``node_id``'s observation from its report ``body`` (validated by
-    ``protocol.validate_report``) received at ``now`` (controller wall clock, s). ``old``: its
-    previous observation; the newest step per generation carries over (``fold_steps``).
-    Raises KeyError, TypeError or ValueError on a shape validation let through."""
-    workers = {int(w["rank"]): WorkerObs(**w) for w in body.get("workers", [])}
-    store = body.get("store")
-    health = body.get("health") or {}
+def observe(node_id: str, r: AgentReport, old: NodeObs | None, now: float) -> NodeObs:
+    """Node ``node_id``'s observation from its report ``r`` received at ``now`` (controller
+    wall clock, s). ``old``: its previous observation; the newest step per generation carries
+    over (``fold_steps``)."""
     o = NodeObs(
         node_id=node_id,
-        addr=str(body["addr"]),
-        incarnation=str(body["incarnation"]),
+        addr=r.addr,
+        incarnation=r.incarnation,
         last_seen=now,
-        generation=body.get("generation"),
-        workers=workers,
-        hang=bool(body.get("hang")),
-        stopped_generation=int(body.get("stopped_generation", -1)),
-        stopped_at=body.get("stopped_at"),
-        cleaned_at=body.get("cleaned_at"),
-        memory={int(r): [tuple(p) for p in v] for r, v in (body.get("memory") or {}).items()},
-        ckptd_idle=bool(body.get("ckptd_idle", True)),
-        ckptd_at=body.get("ckptd_at"),
-        replicas={int(r): [tuple(p) for p in v] for r, v in (body.get("replicas") or {}).items()},
-        replica_addr=body.get("replica_addr"),
-        fenced_generation=int(body.get("fenced_generation", -1)),
-        health_ok=bool(health.get("ok", True)),
-        health_problems=tuple(health.get("problems", [])),
-        store=tuple(store) if store else None,  # type: ignore[arg-type]
-        clock_skew_s=round(float(body["time"]) - now, 3) if "time" in body else None,
+        generation=r.generation,
+        workers={w.rank: w for w in r.workers},
+        hang=r.hang,
+        stopped_generation=r.stopped_generation,
+        stopped_at=r.stopped_at,
+        cleaned_at=r.cleaned_at,
+        memory=r.ckptd.memory,
+        ckptd_idle=r.ckptd.idle,
+        ckptd_at=r.ckptd.at,
+        replicas=r.ckptd.replicas,
+        replica_addr=r.ckptd.replica_addr,
+        fenced_generation=r.fenced_generation,
+        health_ok=r.health.ok,
+        health_problems=r.health.problems,
+        store=r.store,
+        clock_skew_s=round(r.time - now, 3) if r.time is not None else None,
     )
-    o.steps_seen = fold_steps(old, o, body.get("steps", []))
+    o.steps_seen = fold_steps(old, o, r.steps)
     return o
 
 
@@ -53,7 +69,7 @@ def addresses_changed(old: NodeObs | None, new: NodeObs) -> bool:
     )
 
 
-def fold_steps(old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]]) -> dict[int, int]:
+def fold_steps(old: NodeObs | None, new: NodeObs, batches: list[StepBatch]) -> dict[int, int]:
     """``NodeObs.steps_seen`` after one more report: the old fold, the steps its workers show
     now, and its step records; the newest STEPS_SEEN_GENERATIONS generations kept. (Decisions
     run on a coalesced tick: a report after a stop lists no workers, and without the fold the
@@ -63,13 +79,106 @@ def fold_steps(old: NodeObs | None, new: NodeObs, batches: list[dict[str, Any]])
     if new.generation is not None and now:
         seen[new.generation] = max(seen.get(new.generation, 0), *now)
     for b in batches:
-        steps = [int(it["step"]) for it in b["items"]]
-        if steps:
-            g = int(b["generation"])
-            seen[g] = max(seen.get(g, 0), *steps)
+        if b.items:
+            seen[b.generation] = max(seen.get(b.generation, 0), *(it.step for it in b.items))
     for g in sorted(seen)[:-STEPS_SEEN_GENERATIONS]:
         del seen[g]
     return seen
+
+
+def _need(v: int | None, ev: ReportEvent) -> int:
+    """A field the event's kind carries (the HTTP layer answers 400 without it)."""
+    if v is None:
+        raise ProtocolError(f"event {ev.kind}: a field it carries is missing: {ev.fields}")
+    return v
+
+
+class Intake:
+    """Takes every report (``take``) into ``obs`` and the ``Inputs`` it is handed, recording
+    events and step records in ``store`` and metrics in ``monitor``. ``preflight``: the
+    pre-flight coordinator, when one runs (it gets the check results); ``seen``: called with
+    (node, now) for each report (the pre-flight driver's liveness)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        store: Store,
+        monitor: Monitor,
+        preflight: Callable[[], Preflight | None],
+        seen: Callable[[str, float], None],
+    ) -> None:
+        self.cfg, self.store, self.monitor = cfg, store, monitor
+        self._preflight, self._seen = preflight, seen
+        self.obs: dict[str, NodeObs] = {}
+        self.milestones = Milestones()
+        self.fingerprints = FingerprintIndex()
+        self.detectors: list[Detector] = detectors(cfg, monitor)
+
+    def take(
+        self, r: AgentReport, s: JobState, inputs: Inputs, now: float
+    ) -> tuple[bool, list[Finding]]:
+        """Fold report ``r`` in (state ``s`` as of now); the facts it shows go to ``inputs``.
+        Returns whether the node's addresses changed (peers' desired states name them) and the
+        detectors' findings, each recorded already (and alerted where it says so)."""
+        old = self.obs.get(r.node_id)
+        new = self.obs[r.node_id] = observe(r.node_id, r, old, now)
+        self.fingerprints.add(r.ckptd.fingerprints)
+        self._seen(r.node_id, now)
+        pf = self._preflight()
+        if pf is not None:
+            pf.ingest(r.node_id, r.checks)
+        for ev in r.events:
+            self._event(r.node_id, ev, s, inputs, now)
+        for batch in r.steps:
+            self._steps(batch, s, inputs)
+        findings = self._detect(Seen(node=r.node_id, report=r, state=s, now=now), inputs)
+        return addresses_changed(old, new), findings
+
+    def _event(self, node: str, ev: ReportEvent, s: JobState, inputs: Inputs, now: float) -> None:
+        """Record one event; hand over the facts it carries."""
+        self.store.record(ev.kind, {**ev.fields, "node": node}, ts=ev.ts)
+        if ev.kind == "inject_fired" and ev.inject is not None:
+            inputs.fired.append(ev.inject.id)
+            pf = self._preflight()
+            if ev.inject.kind == "gemm-wrong" and pf is not None:
+                # The node's GEMMs went wrong in training: its re-check fails too.
+                got = pf.injects.setdefault(node, [])
+                if "gemm-wrong" not in got:
+                    got.append("gemm-wrong")
+        elif ev.kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
+            self.monitor.c_skipped.labels(str(ev.rank if ev.rank is not None else "")).inc()
+        elif ev.kind == "ckpt_durable" and ev.step is not None:  # durable lag, tier bytes
+            self.monitor.figures.durable(Path(self.cfg.ckpt_dir), ev.step)
+        elif ev.kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
+            inputs.unusable.append((_need(ev.step, ev), _need(ev.point_generation, ev)))
+        rec, gen = s.recovery, ev.generation
+        if ev.kind in ("ckpt_load_start", "ckpt_load_end") and rec and rec.to_generation == gen:
+            world = world_of(s, self.cfg)
+            t = ev.ts if ev.ts is not None else now
+            inputs.milestones += self.milestones.load(ev.kind, gen, _need(ev.rank, ev), t, world)
+
+    def _steps(self, b: StepBatch, s: JobState, inputs: Inputs) -> None:
+        """Store one rank's step records; the first-step milestone once every rank is in."""
+        self.store.add_steps(b.generation, b.rank, b.items)
+        first, got = self.milestones.steps(b.generation, b.rank, b.items, world_of(s, self.cfg))
+        if first is not None:
+            self.store.record("first_step", first)
+        inputs.milestones += got
+
+    def _detect(self, seen: Seen, inputs: Inputs) -> list[Finding]:
+        """Every detector's findings on this report: recorded (and alerted) as they say; a
+        sign of silent corruption goes to ``decide``."""
+        out: list[Finding] = []
+        for d in self.detectors:
+            for f in d.observe(seen):
+                if f.record:
+                    self.store.record(f.kind, f.data)
+                if f.alert:
+                    self.monitor.alert(f.kind, f.data)
+                if f.suspicion is not None:
+                    inputs.suspected.append(f.suspicion)
+                out.append(f)
+        return out
 
 
 class FingerprintIndex:
@@ -85,8 +194,8 @@ class FingerprintIndex:
         self._points: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
         self._handed: set[tuple[int, int]] = set()
 
-    def add(self, reported: dict[str, list[list[int]]]) -> None:
-        """One report's ``fingerprints`` (rank → [step, gen, layout, value])."""
+    def add(self, reported: dict[Any, Any]) -> None:
+        """One report's fingerprints (rank → [(step, gen, layout, value)])."""
         for r, items in reported.items():
             for step, gen, layout, value in items:
                 point = (int(gen), int(step))
@@ -139,21 +248,20 @@ class Milestones:
         return [(gen, name, max(marks.values()))]
 
     def steps(
-        self, gen: int, rank: int, items: list[dict[str, Any]], world: int
+        self, gen: int, rank: int, items: list[StepRecord], world: int
     ) -> tuple[dict[str, Any] | None, list[tuple[int, str, float]]]:
-        """A rank's step records (``step``, ``t_end`` wall s, ``dur`` s). Returns the
-        ``first_step`` event's data once every rank's first step of ``gen`` is in, and the
-        first-step milestones then."""
+        """A rank's step records. Returns the ``first_step`` event's data once every rank's
+        first step of ``gen`` is in, and the first-step milestones then."""
         if gen in self._first_step or not items:
             return None, []
-        first = min(items, key=lambda it: it["step"])
+        first = min(items, key=lambda it: it.step)
         ends = self._marks.setdefault(f"{gen}:first_step", {})
-        ends.setdefault(rank, float(first["t_end"]))
+        ends.setdefault(rank, first.t_end)
         starts = self._marks.setdefault(f"{gen}:first_step_start", {})
-        starts.setdefault(rank, float(first["t_end"]) - float(first["dur"]))
+        starts.setdefault(rank, first.t_end - first.duration_s)
         if len(ends) < world:
             return None, []
         self._first_step.add(gen)
         t = max(ends.values())
-        event = {"generation": gen, "step": first["step"], "t": t}
+        event = {"generation": gen, "step": first.step, "t": t}
         return event, [(gen, "t_first_step_start", max(starts.values())), (gen, "t_first_step", t)]

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from trainguard.checkpoint import storage
+from trainguard.protocol import StepRecord
 
 PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -56,19 +57,19 @@ class StepFigures:
             self.durable_step = step
             self.tier_bytes["durable"] = storage.step_bytes(root, step)
 
-    def add(self, items: list[dict[str, Any]]) -> None:
-        for it in sorted(items, key=lambda x: x["step"]):
-            dur = float(it["dur"])
-            stall = float((it.get("sec") or {}).get("checkpoint", 0.0))
+    def add(self, items: list[StepRecord]) -> None:
+        for it in sorted(items, key=lambda x: x.step):
+            dur = it.duration_s
+            stall = it.sections.get("checkpoint", 0.0)
             self.recent.append(dur)
             self.stall_s = stall
             self.stall_total_s += stall
-            if it.get("loss") is not None:
-                self.loss = float(it["loss"])
-            if it.get("tokens") and dur > 0:
-                self.tokens_per_s = float(it["tokens"]) / dur
-            if it["step"] > self.newest:
-                self.newest = int(it["step"])
+            if it.loss is not None:
+                self.loss = float(it.loss)
+            if it.tokens and dur > 0:
+                self.tokens_per_s = float(it.tokens) / dur
+            if it.step > self.newest:
+                self.newest = it.step
                 self.productive_s += max(0.0, dur - stall)
 
 

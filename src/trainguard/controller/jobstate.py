@@ -180,8 +180,9 @@ class Inputs:
     - ``fired``: ids of injections whose ``inject_fired`` event arrived.
     - ``unusable``: (step, generation) points a rank could not restore from any tier
       (``ckpt_restore_failed``).
-    - ``evict``: node → why: replace it by a standby at the next checkpoint boundary (a
-      persistent straggler under ``straggler_action = "replace"``).
+    - ``evict``: node → why: replace it by a standby at the next checkpoint boundary
+      (``policy.react``: a persistent straggler under ``straggler_action = "replace"``, a
+      running node at risk).
     - ``milestones``: (generation, name, wall time) of a recovery's last phases, each once
       every rank reached it: ``t_rendezvous``, ``t_loaded``, ``t_first_step_start`` (stands
       for both when nothing was restored) and ``t_first_step`` (completes the recovery of
@@ -195,7 +196,7 @@ class Inputs:
       inconclusive runs a failed verdict).
     - ``suspected``: signs of a silent data corruption that fingerprints cannot see
       (``Suspicion``: a failed in-job GEMM probe, a gradient-norm spike).
-    - ``quarantine``: standby node → why: failure prediction flagged it (controller/risk.py);
+    - ``quarantine``: standby node → why: failure prediction flagged it (``policy.react``);
       it goes to the faulty pool and is re-checked before it may take a rank.
     """
 

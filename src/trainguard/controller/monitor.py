@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from trainguard.controller.analysis import AnomalyDetector, DetectConfig, Event, StragglerDetector
 from trainguard.controller.jobmetrics import StepFigures
+from trainguard.protocol import StepRecord
 
 log = logging.getLogger("trainguard.monitor")
 ALERT_KINDS = (
@@ -93,24 +94,24 @@ class Monitor:
         )
 
     def on_steps(
-        self, generation: int, world: int, rank: int, items: list[dict[str, Any]]
+        self, generation: int, world: int, rank: int, items: list[StepRecord]
     ) -> list[Event]:
         """One rank's step records (as agents report them); returns the alert events."""
-        last = max(items, key=lambda it: it["step"])
-        self.g_step.labels(rank).set(last["step"])
-        self.g_step_s.labels(rank).set(last["dur"])
-        comm = float((last.get("sec") or {}).get("communication", 0.0))
+        last = max(items, key=lambda it: it.step)
+        self.g_step.labels(rank).set(last.step)
+        self.g_step_s.labels(rank).set(last.duration_s)
+        comm = last.sections.get("communication", 0.0)
         self.g_comm.labels(rank).set(comm)
-        self.g_compute.labels(rank).set(max(0.0, float(last["dur"]) - comm))
+        self.g_compute.labels(rank).set(max(0.0, last.duration_s - comm))
         if rank == 0:
             self.figures.add(items)
         events = self.stragglers.add(generation, world, rank, items)
         for r, score in self.stragglers.scores.items():
             self.g_score.labels(r).set(score)
         if rank == 0:
-            if last.get("loss") is not None:
-                self.g_loss.set(float(last["loss"]))
-            events += self.anomalies.add(generation, sorted(items, key=lambda it: it["step"]))
+            if last.loss is not None:
+                self.g_loss.set(float(last.loss))
+            events += self.anomalies.add(generation, sorted(items, key=lambda it: it.step))
         return events
 
     def alert(self, kind: str, data: dict[str, Any]) -> None:

@@ -1,17 +1,17 @@
 """What to do after the workers stopped: the restart policy (budget, user errors, fallback
 to an older restore point), replacing lost or faulty nodes by standbys (or shrinking when
 elastic), planned stops that persist memory snapshots (growth, evictions, a user's stop),
-and starting the next generation from the restore point. Pure."""
+and starting the next generation from the restore point; and what to do about a detector's
+finding (``react``: evict, drain, quarantine or keep). Pure."""
 
 from __future__ import annotations
 
-from trainguard.controller.api import (
-    NodeObs,
-    Phase,
-    Pool,
-)
+import dataclasses
+
+from trainguard.controller.api import NodeObs, Phase, Pool
 from trainguard.controller.config import JobConfig
 from trainguard.controller.detect import last_line, lost_nodes
+from trainguard.controller.detectors import Finding
 from trainguard.controller.jobstate import (
     Event,
     JobState,
@@ -36,46 +36,79 @@ def apply_policy(
     """Restart policy, checked once per fault: user error, no progress, restart budget."""
     assert s.recovery is not None
     fault = s.recovery.fault
-    gen = fault.generation
-    # What the guards can see: step reports (the runtime), checkpoints (the Checkpointer). A
-    # plain script shows neither, and is judged by its restart budget, except for a failure
-    # that repeats word for word (a bug in the script, not a transient fault).
-    reports_steps = bool(s.max_step)
-    line = last_line(fault.message) if fault.cause == FaultCause.WORKER_EXIT else ""
     # A rank could not read the agreed point from any tier: an older one is used next. Not
     # the script's failure, and not a generation without progress.
-    fallback = [s.restore_step, s.restore_gen] in s.unusable
-    if fallback:
-        point, _ = restore_point(s, obs, cfg, durable)
-        events.append(
-            (
-                "restore_fallback",
-                {
-                    "generation": gen,
-                    "unusable": [s.restore_step, s.restore_gen],
-                    "next": list(point) if point else None,
-                },
-            )
+    if [s.restore_step, s.restore_gen] in s.unusable:
+        _fall_back(s, obs, cfg, events, durable)
+    else:
+        # What the guards can see: step reports (the runtime), checkpoints (the
+        # Checkpointer). A plain script shows neither, and is judged by its restart budget,
+        # except for a failure that repeats word for word (a bug in the script, not a
+        # transient fault).
+        reports_steps = bool(s.max_step)
+        line = last_line(fault.message) if fault.cause == FaultCause.WORKER_EXIT else ""
+        _count_prestep_failures(s, reports_steps, line)
+        _count_progress(s, obs, cfg, durable, reports_steps)
+        s.reason = _give_up_reason(s, cfg, reports_steps, line) or s.reason
+    if s.reason:
+        s.recoveries.append(s.recovery)
+        s.recovery = None
+        goto(s, Phase.FAILED, now, events, s.reason)
+
+
+def _fall_back(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    events: list[Event],
+    durable: list[tuple[int, int]],
+) -> None:
+    """The restore point is unusable: the next older one, or the end when none is left."""
+    assert s.recovery is not None
+    point, _ = restore_point(s, obs, cfg, durable)
+    events.append(
+        (
+            "restore_fallback",
+            {
+                "generation": s.recovery.fault.generation,
+                "unusable": [s.restore_step, s.restore_gen],
+                "next": list(point) if point else None,
+            },
         )
-        if point is None:
-            s.reason = (
-                f"no restorable checkpoint left: step {s.restore_step} failed to load from "
-                "every tier and no older verified copy exists (see ckpt_restore_failed events)"
-            )
-        else:  # each fallback drops a point, so they are bounded: not charged to the budget
-            s.fallback = True
-        if s.reason:
-            s.recoveries.append(s.recovery)
-            s.recovery = None
-            goto(s, Phase.FAILED, now, events, s.reason)
-        return
+    )
+    if point is None:
+        s.reason = (
+            f"no restorable checkpoint left: step {s.restore_step} failed to load from "
+            "every tier and no older verified copy exists (see ckpt_restore_failed events)"
+        )
+    else:  # each fallback drops a point, so they are bounded: not charged to the budget
+        s.fallback = True
+
+
+def _count_prestep_failures(s: JobState, reports_steps: bool, line: str) -> None:
+    """Generations in a row whose script failed before its first step (a user error)."""
+    assert s.recovery is not None
+    fault = s.recovery.fault
     if fault.cause != FaultCause.WORKER_EXIT:
         s.prestep_failures = 0
     elif reports_steps:
-        s.prestep_failures = s.prestep_failures + 1 if gen not in s.max_step else 0
+        s.prestep_failures = s.prestep_failures + 1 if fault.generation not in s.max_step else 0
     else:
         s.prestep_failures = s.prestep_failures + 1 if line == s.last_failure else 1
     s.last_failure = line
+
+
+def _count_progress(
+    s: JobState,
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+    durable: list[tuple[int, int]],
+    reports_steps: bool,
+) -> None:
+    """Generations in a row without progress: a newer checkpoint than the one the generation
+    restored, or (no checkpoint seen yet) a step beyond every earlier generation's."""
+    assert s.recovery is not None
+    gen = s.recovery.fault.generation
     point, _ = restore_point(s, obs, cfg, durable)
     ckpt_step = point[0] if point else None
     s.seen_checkpoint = s.seen_checkpoint or ckpt_step is not None
@@ -89,25 +122,27 @@ def apply_policy(
     else:
         progressed = True  # nothing to judge progress by: the restart budget decides
     s.no_progress_generations = 0 if progressed else s.no_progress_generations + 1
+
+
+def _give_up_reason(s: JobState, cfg: JobConfig, reports_steps: bool, line: str) -> str:
+    """Why the job fails now (user error, no progress, budget spent), or "" to go on."""
+    assert s.recovery is not None
+    fault = s.recovery.fault
     if s.prestep_failures >= cfg.restart.user_error_generations:
-        s.reason = (
+        return (
             f"user error: the script failed before its first step in {s.prestep_failures} "
             f"generations in a row; last error: {last_line(fault.message)}"
             if reports_steps
             else f"user error: the script failed before its first step report, "
             f"{s.prestep_failures} times in a row with the same error: {line}"
         )
-    elif s.no_progress_generations >= cfg.restart.no_progress_generations:
-        s.reason = (
-            f"no progress: {s.no_progress_generations} generations in a row without a new "
-            + ("checkpoint" if s.seen_checkpoint else "step beyond the earlier generations'")
+    if s.no_progress_generations >= cfg.restart.no_progress_generations:
+        return f"no progress: {s.no_progress_generations} generations in a row without a new " + (
+            "checkpoint" if s.seen_checkpoint else "step beyond the earlier generations'"
         )
-    elif s.restarts >= cfg.restart.max_restarts:
-        s.reason = f"restart budget spent ({cfg.restart.max_restarts} restarts); last fault: {fault.message.splitlines()[0]}"
-    if s.reason:
-        s.recoveries.append(s.recovery)
-        s.recovery = None
-        goto(s, Phase.FAILED, now, events, s.reason)
+    if s.restarts >= cfg.restart.max_restarts:
+        return f"restart budget spent ({cfg.restart.max_restarts} restarts); last fault: {fault.message.splitlines()[0]}"
+    return ""
 
 
 def _stale(o: NodeObs) -> bool:
@@ -125,8 +160,42 @@ def replace_and_restart(
     events: list[Event],
     durable: list[tuple[int, int]],
 ) -> None:
-    # The restore point comes from the memory index: first let every live node's ckptd verify
-    # what its ranks staged before they stopped (bounded by PERSIST_SETTLE_S).
+    """Once the memory index settled: the lost nodes replaced by standbys (or the world shrunk
+    when elastic), or a wait for nodes; then the next generation."""
+    if not _settled(s, obs, now, cfg):
+        return
+    lost = _lost(s, obs, now, cfg, events)
+    # Prefer standby nodes; a lost node that came back (fresh agent) is the last resort.
+    spares = [n for n in healthy_standby(s, obs, now, cfg) if n not in lost]
+    spares += [
+        n
+        for n in lost
+        if s.pools.get(n) == Pool.STANDBY
+        and n in obs
+        and is_alive(obs[n], now, cfg)
+        and n != held_out(s)
+    ]
+    lost = _shrink(s, cfg, events, lost, spares)
+    if len(spares) < len(lost):
+        _wait_for_nodes(s, now, cfg, events, lost, spares)
+        return
+    _replace(s, events, lost, spares)
+    if s.recovery is not None:
+        s.recovery.t_replaced = now
+    if s.fallback:
+        s.fallback = False
+        why = (
+            f"restart from an older checkpoint (restart {s.restarts} of {cfg.restart.max_restarts})"
+        )
+    else:
+        s.restarts += 1
+        why = f"restart {s.restarts} of {cfg.restart.max_restarts}"
+    start_generation(s, obs, cfg, now, events, durable, why)
+
+
+def _settled(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> bool:
+    """The restore point comes from the memory index: first let every live node's ckptd
+    verify what its ranks staged before they stopped (bounded by PERSIST_SETTLE_S)."""
     busy = [
         n
         for n in s.assignment
@@ -136,8 +205,16 @@ def replace_and_restart(
         if s.persist_settle_until is None:
             s.persist_settle_until = now + PERSIST_SETTLE_S
         if now < s.persist_settle_until:
-            return
+            return False
     s.persist_settle_until = None
+    return True
+
+
+def _lost(
+    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+) -> list[str]:
+    """The nodes that leave the job, in node-rank order, each quarantined unless it is
+    already out of the running pool."""
     lost = sorted(
         set(lost_nodes(s, obs, now, cfg))
         # Quarantined during this generation or its recovery, even if its re-check has
@@ -149,54 +226,68 @@ def replace_and_restart(
     for n in lost:
         if s.pools.get(n) not in (Pool.FAULTY, Pool.STANDBY, Pool.RETIRED):
             mark_faulty(s, n, now, cfg, events, "lost during generation")
-    # Prefer standby nodes; a lost node that came back (fresh agent) is the last resort.
-    spares = [n for n in healthy_standby(s, obs, now, cfg) if n not in lost]
-    spares += [
-        n
-        for n in lost
-        if s.pools.get(n) == Pool.STANDBY
-        and n in obs
-        and is_alive(obs[n], now, cfg)
-        and n != held_out(s)
-    ]
+    return lost
+
+
+def _shrink(
+    s: JobState, cfg: JobConfig, events: list[Event], lost: list[str], spares: list[str]
+) -> list[str]:
+    """Elastic, with fewer spares than lost nodes but at least ``min_nodes`` left: the lost
+    nodes without a spare leave the world. Returns the lost nodes still to replace."""
     shrink = len(lost) - len(spares)
-    if shrink > 0 and cfg.elastic and len(s.assignment) - shrink >= (cfg.min_nodes or cfg.nodes):
-        gone = lost[len(spares) :]
-        lost = lost[: len(spares)]
-        for n in gone:
-            s.assignment.pop(n)
-        events.append(
-            (
-                "membership_changed",
-                {
-                    "from_nodes": len(s.assignment) + len(gone),
-                    "to_nodes": len(s.assignment),
-                    "left": gone,
-                    "reason": f"no standby for {', '.join(gone)}; elastic (at least "
-                    f"{cfg.min_nodes} nodes): going on with {len(s.assignment)}",
-                },
-            )
+    if not (
+        shrink > 0 and cfg.elastic and len(s.assignment) - shrink >= (cfg.min_nodes or cfg.nodes)
+    ):
+        return lost
+    gone = lost[len(spares) :]
+    for n in gone:
+        s.assignment.pop(n)
+    events.append(
+        (
+            "membership_changed",
+            {
+                "from_nodes": len(s.assignment) + len(gone),
+                "to_nodes": len(s.assignment),
+                "left": gone,
+                "reason": f"no standby for {', '.join(gone)}; elastic (at least "
+                f"{cfg.min_nodes} nodes): going on with {len(s.assignment)}",
+            },
         )
-    if len(spares) < len(lost):
-        if s.phase != Phase.WAITING_FOR_NODES:
-            goto(
-                s,
-                Phase.WAITING_FOR_NODES,
-                now,
-                events,
-                f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby",
-            )
-        elif now - s.phase_since > cfg.timeouts.wait_for_nodes_timeout_s:
-            s.reason = (
-                f"waited {now - s.phase_since:.0f}s for {len(lost) - len(spares)} node(s) to "
-                f"replace {', '.join(lost)}; none came (wait_for_nodes_timeout_s = "
-                f"{cfg.timeouts.wait_for_nodes_timeout_s:.0f}); re-run with the same --run-dir to resume"
-            )
-            if s.recovery is not None:
-                s.recoveries.append(s.recovery)
-                s.recovery = None
-            goto(s, Phase.FAILED, now, events, s.reason)
-        return
+    )
+    return lost[: len(spares)]
+
+
+def _wait_for_nodes(
+    s: JobState,
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    lost: list[str],
+    spares: list[str],
+) -> None:
+    """Too few spares: wait for nodes, and fail past ``wait_for_nodes_timeout_s``."""
+    if s.phase != Phase.WAITING_FOR_NODES:
+        goto(
+            s,
+            Phase.WAITING_FOR_NODES,
+            now,
+            events,
+            f"need {len(lost)} node(s) to replace {', '.join(lost)}; {len(spares)} standby",
+        )
+    elif now - s.phase_since > cfg.timeouts.wait_for_nodes_timeout_s:
+        s.reason = (
+            f"waited {now - s.phase_since:.0f}s for {len(lost) - len(spares)} node(s) to "
+            f"replace {', '.join(lost)}; none came (wait_for_nodes_timeout_s = "
+            f"{cfg.timeouts.wait_for_nodes_timeout_s:.0f}); re-run with the same --run-dir to resume"
+        )
+        if s.recovery is not None:
+            s.recoveries.append(s.recovery)
+            s.recovery = None
+        goto(s, Phase.FAILED, now, events, s.reason)
+
+
+def _replace(s: JobState, events: list[Event], lost: list[str], spares: list[str]) -> None:
+    """Each lost node's node rank to a spare; node ranks dense again (0..n-1, old order)."""
     for n, spare in zip(lost, spares, strict=False):
         rank = s.assignment.pop(n)
         s.assignment[spare] = rank
@@ -217,17 +308,6 @@ def replace_and_restart(
     # node ranks stay dense (0..n-1) in their old order when the world shrank
     order = sorted(s.assignment, key=lambda n: s.assignment[n])
     s.assignment = {n: i for i, n in enumerate(order)}
-    if s.recovery is not None:
-        s.recovery.t_replaced = now
-    if s.fallback:
-        s.fallback = False
-        why = (
-            f"restart from an older checkpoint (restart {s.restarts} of {cfg.restart.max_restarts})"
-        )
-    else:
-        s.restarts += 1
-        why = f"restart {s.restarts} of {cfg.restart.max_restarts}"
-    start_generation(s, obs, cfg, now, events, durable, why)
 
 
 def can_grow(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> bool:
@@ -418,3 +498,54 @@ def start_generation(
         )
     )
     goto(s, Phase.RENDEZVOUS, now, events, why)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Reaction:
+    """What the policy does about a finding: ``evict`` node → why (replaced by a standby at
+    the next checkpoint boundary: a planned stop, no step lost, no restart charged);
+    ``quarantine`` node → why (a standby moved to the faulty pool, re-checked before it may
+    take a rank); ``record``: events to record; ``alert``: events to record and alert."""
+
+    evict: dict[str, str] = dataclasses.field(default_factory=dict)
+    quarantine: dict[str, str] = dataclasses.field(default_factory=dict)
+    record: list[Event] = dataclasses.field(default_factory=list)
+    alert: list[Event] = dataclasses.field(default_factory=list)
+
+
+def react(f: Finding, s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> Reaction:
+    """Evict, drain, quarantine or keep, for one detector's finding (``detectors.Finding``),
+    with the standby rule of ``pools.healthy_standby``:
+
+    - a persistent straggler (``straggler``) under ``straggler_action = "replace"``: its node
+      is evicted when a healthy standby can take its place, else kept (``straggler_kept``);
+    - a node at risk (``node_at_risk``): a running node is drained to a standby at the next
+      checkpoint boundary, or kept without one; a standby is quarantined; a node not in the
+      job is only watched. Recorded and alerted with the action taken.
+    """
+    out = Reaction()
+    node = f.node
+    if node is None:
+        return out
+    standby = bool(healthy_standby(s, obs, now, cfg))
+    if f.kind == "straggler" and cfg.straggler.straggler_action == "replace":
+        if not standby:
+            out.record.append(("straggler_kept", {"node": node, "reason": "no healthy standby"}))
+        else:
+            why = f"straggler: rank {f.data['rank']} computes {f.data['score']}x the median"
+            out.evict[node] = why
+    elif f.kind == "node_at_risk":
+        why = str(f.data["reason"])
+        running = node in s.assignment and not s.phase.terminal
+        if running and standby:
+            action = "drain to a standby at the next checkpoint boundary"
+            out.evict[node] = f"at risk: {why}"
+        elif running:
+            action = "kept: no healthy standby to take its place"
+        elif s.pools.get(node) == Pool.STANDBY:
+            action = "quarantined: re-checked before it may take a rank"
+            out.quarantine[node] = f"at risk: {why}"
+        else:
+            action = "not training: watched"
+        out.alert.append(("node_at_risk", {"node": node, "reason": why, "action": action}))
+    return out

@@ -18,32 +18,27 @@ from aiohttp import web
 
 from trainguard import protocol
 from trainguard.checkpoint import fingerprint, storage
-from trainguard.checkpoint.archive import Archive
-from trainguard.checkpoint.archiver import Archiver, restore_newest
 from trainguard.controller.analysis import DetectConfig
-from trainguard.controller.api import (
-    NodeObs,
-    Phase,
-    Pool,
-)
+from trainguard.controller.api import NodeObs, Phase, Pool
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
+from trainguard.controller.cold import ColdTier
 from trainguard.controller.config import JobConfig, split_host_port
 from trainguard.controller.decide import JobState, decide, desired_for
+from trainguard.controller.eventlog import record_decided
 from trainguard.controller.http import Dashboard, HttpApi
-from trainguard.controller.ingest import FingerprintIndex, Milestones, addresses_changed, observe
+from trainguard.controller.ingest import Intake
 from trainguard.controller.jobmetrics import JobCollector
 from trainguard.controller.jobstate import (
     Inputs,
     StateEncoder,
-    Suspicion,
     merge_inputs,
     next_incarnation,
 )
 from trainguard.controller.monitor import Monitor
+from trainguard.controller.policy import Reaction, react
 from trainguard.controller.pools import is_alive, world_of
 from trainguard.controller.restore import ring_of
-from trainguard.controller.risk import RiskConfig, RiskWatch
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
@@ -70,6 +65,35 @@ def _signature(s: JobState) -> tuple[Any, ...]:
     return (
         s.phase, s.generation, s.master_port, s.restore_step, s.restore_gen, len(s.fired),
         s.restarts, s.persist is not None, len(s.pools), len(s.assignment),
+    )  # fmt: skip
+
+
+def _monitor(cfg: JobConfig) -> Monitor:
+    return Monitor(
+        DetectConfig(
+            window_steps=cfg.straggler.straggler_window_steps,
+            persist_windows=cfg.straggler.straggler_persist_windows,
+            grad_ratio=cfg.sdc.sdc_grad_ratio if cfg.sdc.sdc_check else 0.0,
+        ),
+        cfg.metrics.alert_webhook,
+    )
+
+
+def _preflight(
+    cfg: JobConfig, store: Store, check_only: bool, check_cfg: CheckConfig | None
+) -> Preflight | None:
+    """The pre-flight coordinator, unless pre-flight is off (``trainguard check`` always has
+    one)."""
+    if not check_only and cfg.preflight.level == "off":
+        return None
+    level = cfg.preflight.level if cfg.preflight.level != "off" else "quick"
+    injects: dict[str, list[str]] = {}
+    for spec in cfg.injects:  # gemm-wrong:…:step=S goes wrong in training (ingest.py)
+        if spec.kind == "gemm-wrong" and not spec.step:
+            injects.setdefault(f"node{spec.node}", []).append(spec.kind)
+    return Preflight(
+        check_cfg or CheckConfig(**{"level": level, **cfg.preflight.checks}), store, ckpt_dir=cfg.ckpt_dir,
+        shm_dir=cfg.checkpoint.shm_dir, injects=injects,
     )  # fmt: skip
 
 
@@ -126,54 +150,40 @@ class Controller:
         self._last_tick = time.monotonic()
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(time.time() * 1000)
-        self.obs: dict[str, NodeObs] = {}
         self._inputs = Inputs()  # for the next decide (the executor never edits the state)
         self.desired: dict[str, tuple[int, protocol.Desired]] = {}
         self.changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task[None] | None = None
-        self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archiver
-        self._archivers: list[Archiver] = []
-        self._copies: dict[int, set[str]] = {}  # step → cold targets that hold it verified
+        self._cold: asyncio.Task[None] | None = None  # the cold tier's restore, then archivers
         self._done = asyncio.Event()
         self._verified: dict[tuple[int, int], bool] = {}
-        self._milestones = Milestones()
-        self._fingerprints = FingerprintIndex()
-        self._risk = RiskWatch(
-            RiskConfig(
-                ce_delta=cfg.risk.risk_ce_delta,
-                window_s=cfg.risk.risk_window_s,
-                temp_margin_c=cfg.risk.risk_temp_margin_c,
-                temp_horizon_s=cfg.risk.risk_temp_horizon_s,
-            )
-        )
         self._last_state = ""
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
-        self._probes_seen: dict[str, Any] = {}  # node → time of its newest GEMM probe seen
         self.closing = False
-        self.monitor = Monitor(
-            DetectConfig(
-                window_steps=cfg.straggler.straggler_window_steps,
-                persist_windows=cfg.straggler.straggler_persist_windows,
-                grad_ratio=cfg.sdc.sdc_grad_ratio if cfg.sdc.sdc_check else 0.0,
-            ),
-            cfg.metrics.alert_webhook,
-        )
+        self.monitor = _monitor(cfg)
         self.monitor.registry.register(JobCollector(self._metric_state, self.monitor.figures))
-        self.preflight: Preflight | None = None
-        if check_only or cfg.preflight.level != "off":
-            level = cfg.preflight.level if cfg.preflight.level != "off" else "quick"
-            injects: dict[str, list[str]] = {}
-            for spec in cfg.injects:  # gemm-wrong:…:step=S goes wrong in training (below)
-                if spec.kind == "gemm-wrong" and not spec.step:
-                    injects.setdefault(f"node{spec.node}", []).append(spec.kind)
-            self.preflight = Preflight(
-                check_cfg or CheckConfig(**{"level": level, **cfg.preflight.checks}), store,
-                ckpt_dir=cfg.ckpt_dir, shm_dir=cfg.checkpoint.shm_dir, injects=injects,
-            )  # fmt: skip
-        if check_only:
+        self.preflight = _preflight(cfg, store, check_only, check_cfg)
+        self.intake = Intake(cfg, store, self.monitor, lambda: self.preflight, self._checking.seen)
+        self.obs: dict[str, NodeObs] = self.intake.obs  # each node's latest observation
+        self.cold_tier = (
+            ColdTier(cfg, store, self.monitor)
+            if cfg.archive.archive_urls and not check_only
+            else None
+        )
+        self._record_start(resume, rerun_of, leftovers)
+
+    def _record_start(
+        self,
+        resume: JobState | None,
+        rerun_of: JobState | None,
+        leftovers: dict[str, list[str]] | None,
+    ) -> None:
+        """The config and the start's events: a check, a controller restart, a rerun, a job."""
+        cfg, store = self.cfg, self.store
+        if self.check_only:
             store.record("check_started", {"nodes": cfg.nodes})
             return
         store.put("config", {**cfg.to_flat(), "injects": [i.to_json() for i in cfg.injects]})
@@ -238,52 +248,15 @@ class Controller:
         # report latency's tail).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         gc.set_threshold(*GC_THRESHOLDS)
-        if self.cfg.archive.archive_urls and not self.check_only:
-            self._cold = asyncio.create_task(self._start_cold_tier(), name="cold-tier")
+        if self.cold_tier is not None:
+            self._cold = asyncio.create_task(self.cold_tier.start(), name="cold-tier")
         self._tick_task = asyncio.create_task(self._tick_loop(), name="controller-tick")
         return self.host, self.port
-
-    async def _start_cold_tier(self) -> None:
-        """Restore the cold tier's newest step into the hot tier if the hot tier has nothing
-        newer (while the agents start: before any process group is up, since the first tick
-        waits for this), then archive to each target in the background, one thread each."""
-        loop = asyncio.get_running_loop()
-
-        def emit(kind: str, **data: Any) -> None:
-            loop.call_soon_threadsafe(self._cold_event, kind, data)
-
-        arc = self.cfg.archive
-        archives = [
-            Archive(url, endpoint_url=arc.archive_endpoint_url, concurrency=arc.archive_concurrency,
-                    mbps=arc.archive_mbps, compress=arc.archive_compress)
-            for url in arc.archive_urls
-        ]  # fmt: skip
-        root = Path(self.cfg.ckpt_dir)
-        await asyncio.to_thread(restore_newest, archives, root, emit)
-        for a in archives:
-            arch = Archiver(a, root, every=arc.archive_every, keep=arc.archive_keep, emit=emit)
-            arch.start()
-            self._archivers.append(arch)
 
     def _metric_state(self) -> tuple[int, list[dict[str, Any]]]:
         s = self.state
         recs = [*s.recoveries, *([s.recovery] if s.recovery is not None else [])]
         return s.restarts, [r.to_json() for r in recs]
-
-    def _cold_event(self, kind: str, data: dict[str, Any]) -> None:
-        self.store.record(kind, data)
-        if kind == "archive_uploaded":
-            self.monitor.figures.tier_bytes["archive"] = int(data.get("bytes", 0))
-        if kind == "archive_uploaded":  # archived once archive_copies targets verified it
-            held = self._copies.setdefault(int(data["step"]), set())
-            held.add(str(data["url"]))
-            if len(held) == self.cfg.archive.archive_copies:
-                self.store.record("archive_durable", {"step": data["step"], "copies": sorted(held)})
-                self._copies = {st: u for st, u in self._copies.items() if st > data["step"]}
-        if kind in ("archive_failed", "checkpoint_corrupt"):
-            log.warning("cold tier: %s %s", kind, data)
-        elif kind != "archive_pruned":
-            log.info("cold tier: %s %s", kind, data)
 
     async def wait_done(self) -> JobState:
         await self._done.wait()
@@ -297,10 +270,8 @@ class Controller:
             self._tick_task.cancel()
         if self._cold is not None and not self._cold.done():
             self._cold.cancel()  # a restore in flight finishes in its thread, unused
-        if self._archivers:  # the final step reaches every cold target (bounded, in parallel)
-            limit = self.cfg.archive.archive_final_timeout_s
-            await asyncio.gather(*(asyncio.to_thread(a.close, limit) for a in self._archivers))
-            await asyncio.sleep(0)  # their last events reach the store
+        if self.cold_tier is not None:
+            await self.cold_tier.close()
         self.closing = True  # long polls answer now, so the HTTP server stops at once
         await self._notify()
         for runner in (self._runner, self._metrics_runner):
@@ -308,142 +279,26 @@ class Controller:
                 await runner.cleanup()
 
     # ------------------------------------------------------------------ reports
-    def ingest(self, node_id: str, body: dict[str, Any]) -> None:
+    def ingest(self, report: protocol.AgentReport) -> None:
+        """Take one report (validated): the intake's facts go to the next tick's inputs, and
+        what the policy does about its detectors' findings with them."""
         now = time.time()
-        old_obs = self.obs.get(node_id)
-        new_obs = self.obs[node_id] = observe(node_id, body, old_obs, now)
-        if addresses_changed(old_obs, new_obs):
+        moved, findings = self.intake.take(report, self.state, self._inputs, now)
+        if moved:
             self._full_publish = True  # peers' desired states name this node's addresses
-        self._dirty.add(node_id)
-        self._fingerprints.add(body.get("fingerprints") or {})
-        health = body.get("health") or {}
-        at_risk = self._risk.observe(node_id, now, health.get("signals"))
-        if at_risk is not None:
-            self._at_risk(node_id, at_risk)
-        self._probed(node_id, health.get("probe"))
-        self._checking.seen(node_id, now)
-        if self.preflight is not None:
-            self.preflight.ingest(node_id, body.get("checks", []))
-        for ev in body.get("events", []):
-            ev = {**ev, "node": node_id}
-            kind = ev.pop("kind")
-            ts = ev.pop("ts", None)
-            self.store.record(kind, ev, ts=ts)
-            if kind == "inject_fired":
-                self._inputs.fired.append(int(ev["inject"]["id"]))
-                if ev["inject"]["kind"] == "gemm-wrong" and self.preflight is not None:
-                    # The node's GEMMs went wrong in training: its re-check fails too.
-                    got = self.preflight.injects.setdefault(node_id, [])
-                    if "gemm-wrong" not in got:
-                        got.append("gemm-wrong")
-            if kind == "ckpt_skipped":  # back-pressure from a disk slower than the steps
-                self.monitor.c_skipped.labels(str(ev.get("rank", ""))).inc()
-            if kind == "ckpt_durable":  # /metrics: durable lag and the tier's bytes
-                self.monitor.figures.durable(Path(self.cfg.ckpt_dir), int(ev["step"]))
-            if kind == "ckpt_restore_failed":  # a rank cannot read the agreed point anywhere
-                self._inputs.unusable.append((int(ev["step"]), int(ev["point_generation"])))
-            rec = self.state.recovery
-            gen = int(ev.get("generation", -1))
-            if kind in ("ckpt_load_start", "ckpt_load_end") and rec and rec.to_generation == gen:
-                world = world_of(self.state, self.cfg)
-                got = self._milestones.load(kind, gen, int(ev["rank"]), float(ts or now), world)
-                self._inputs.milestones += got
-        for batch in body.get("steps", []):
-            gen, rank, items = int(batch["generation"]), int(batch["rank"]), batch["items"]
-            self.store.add_steps(gen, rank, items)
-            first, got = self._milestones.steps(gen, rank, items, world_of(self.state, self.cfg))
-            if first is not None:
-                self.store.record("first_step", first)
-            self._inputs.milestones += got
-            if gen == self.state.generation and items:
-                world = world_of(self.state, self.cfg)
-                for kind, data in self.monitor.on_steps(gen, world, rank, items):
-                    self._on_alert(kind, data)
+        self._dirty.add(report.node_id)
+        for f in findings:
+            self._apply_reaction(react(f, self.state, self.obs, now, self.cfg))
 
-    def _probed(self, node: str, probe: dict[str, Any] | None) -> None:
-        """A node's newest in-job GEMM probe (agent/probe.py), once: a wrong result is a
-        sign of silent corruption for ``decide`` (controller/sdc.py)."""
-        if not isinstance(probe, dict) or probe.get("t") == self._probes_seen.get(node):
-            return
-        self._probes_seen[node] = probe.get("t")
-        if probe.get("ok") is not False:
-            return
-        gen, step = int(probe["generation"]), int(probe["step"])
-        last_ok = probe.get("last_ok")
-        bad = [r for r in probe.get("results", []) if r.get("mismatches")]
-        where = ", ".join(f"{r['device']}: {r['mismatches']} wrong element(s), first at "
-                          f"{r['first_bad']}" for r in bad)  # fmt: skip
-        self._inputs.suspected.append(
-            Suspicion(
-                signal="gemm_probe",
-                generation=gen,
-                step=step,
-                node=node,
-                after=int(last_ok[1]) if last_ok else None,
-                after_generation=int(last_ok[0]) if last_ok else None,
-                detail=f"its known-answer GEMM probe came out wrong ({where})",
-            )
-        )
-
-    def _node_of(self, rank: int) -> str | None:
-        node_rank = rank // self.cfg.nproc_per_node
-        return next((n for n, r in self.state.assignment.items() if r == node_rank), None)
-
-    def _on_alert(self, kind: str, data: dict[str, Any]) -> None:
-        """Record an alert; a gradient-norm spike is a sign of silent corruption for
-        ``decide`` (controller/sdc.py); under ``straggler_action = "replace"`` have a
-        persistent straggler's node replaced by a standby at the next checkpoint boundary."""
-        if "rank" in data:
-            data = {**data, "node": self._node_of(int(data["rank"]))}
-        self.store.record(kind, data)
-        self.monitor.alert(kind, data)
-        if kind == "grad_norm_spike":
-            ratio = f"{data['ratio']:g}× its median" if data.get("ratio") else "not finite"
-            self._inputs.suspected.append(
-                Suspicion(
-                    signal="grad_norm",
-                    generation=int(data["generation"]),
-                    step=int(data["step"]),
-                    node=None,
-                    # The step's gradient, or the state it started from (a parameter flipped
-                    # after the previous step: that step's checkpoint holds it) is corrupt.
-                    after=int(data["step"]) - 2,
-                    detail=f"gradient norm {data['grad_norm']} ({ratio})",
-                )
-            )
-        node = data.get("node")
-        if kind != "straggler" or self.cfg.straggler.straggler_action != "replace" or node is None:
-            return
-        if not self._standby_ready():
-            self.store.record("straggler_kept", {"node": node, "reason": "no healthy standby"})
-            return
-        why = f"straggler: rank {data['rank']} computes {data['score']}x the median"
-        self._inputs.evict[str(node)] = why
-
-    def _standby_ready(self) -> bool:
-        now = time.time()
-        return any(p == Pool.STANDBY and self.alive(n, now) for n, p in self.state.pools.items())
-
-    def _at_risk(self, node: str, why: str) -> None:
-        """Failure prediction flagged ``node`` (``risk.RiskWatch``): a running node is drained
-        to a standby at the next checkpoint boundary (a planned stop: no step lost, no
-        restart charged); a standby is quarantined (it must pass its re-check before it may
-        replace anyone); without a healthy standby, or not in the job, it is only reported."""
-        running = node in self.state.assignment and not self.state.phase.terminal
-        if running and self._standby_ready():
-            action = "drain to a standby at the next checkpoint boundary"
-            self._inputs.evict[node] = f"at risk: {why}"
-        elif running:
-            action = "kept: no healthy standby to take its place"
-        elif self.state.pools.get(node) == Pool.STANDBY:
-            action = "quarantined: re-checked before it may take a rank"
-            self._inputs.quarantine[node] = f"at risk: {why}"
-        else:
-            action = "not training: watched"
-        data = {"node": node, "reason": why, "action": action}
-        self.store.record("node_at_risk", data)
-        self.monitor.alert("node_at_risk", data)
-        log.warning("node %s at risk: %s (%s)", node, why, action)
+    def _apply_reaction(self, r: Reaction) -> None:
+        self._inputs.evict.update(r.evict)
+        self._inputs.quarantine.update(r.quarantine)
+        for kind, data in r.record:
+            self.store.record(kind, data)
+        for kind, data in r.alert:
+            self.store.record(kind, data)
+            self.monitor.alert(kind, data)
+            log.warning("%s: %s", kind, data)
 
     # ------------------------------------------------------------------ tick
     def _durable(
@@ -526,7 +381,7 @@ class Controller:
         inputs, self._inputs = self._inputs, Inputs()
         if self.state.phase == Phase.RUNNING:
             world = world_of(self.state, self.cfg)
-            inputs.fingerprints = self._fingerprints.complete(self.state.generation, world)
+            inputs.fingerprints = self.intake.fingerprints.complete(self.state.generation, world)
         full = self._full_publish_due()
         nodes = list(obs) if full else [n for n in self._dirty if n in obs]
         self._dirty = set()
@@ -539,16 +394,9 @@ class Controller:
             self._full_publish = True
             raise
         for kind, data in events:
-            self.store.record(kind, data)
-            if kind in (
-                "sdc_detected",
-                "sdc_localized",
-                "sdc_ruled_out",
-            ):  # alerts too: status, webhook, metrics
-                self.monitor.alert(kind, data)
-            self._log_event(kind, data)
+            record_decided(self.store, self.monitor, kind, data)
         if new.recovery is not None and self.state.recovery is None:
-            self._milestones.clear()  # a new recovery: its milestones are counted afresh
+            self.intake.milestones.clear()  # a new recovery: its milestones are counted afresh
         self.state = new
         sig = _signature(new)
         changed, self._signature = bool(events) or sig != self._signature, sig
@@ -580,29 +428,6 @@ class Controller:
     ) -> dict[str, protocol.Desired]:
         ring = ring_of(s)
         return {n: desired_for(s, n, obs, self.cfg, ring) for n in nodes if n in obs}
-
-    def _log_event(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "fault" and data["cause"] == "hang":
-            self.monitor.alert("hang_localized", data)
-            self.store.record("hang_localized", data)
-        elif kind == "fault_refined":
-            first = data["message"].splitlines()[0][:200]
-            log.info("[gen %s] fault re-attributed: %s", data["generation"], first)
-        elif kind == "phase":
-            log.info(
-                "[gen %s] %s → %s: %s",
-                data["generation"], data["from"], data["to"], data["reason"],
-            )  # fmt: skip
-        elif kind in ("sdc_localized", "sdc_unlocalized"):
-            who = ", ".join(data["nodes"]) or "no node"
-            log.warning(
-                "silent data corruption at step %d named by recomputation: %s (%s; %s)",
-                data["step"], who, data["how"], data["action"],
-            )  # fmt: skip
-        elif kind == "recovery_completed":
-            took = {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None}
-            total = data["durations_s"]["total"] or -1
-            log.info("[gen %d] recovered in %.2fs: %s", data["generation"], total, took)
 
     def _persist(self, changed: bool) -> None:
         """Persist the state if it changed (checked on every transition, else at most once

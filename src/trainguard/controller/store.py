@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.protocol import StepRecord
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
@@ -58,21 +60,19 @@ class Store:
         self._jsonl.write(json.dumps(row, default=str) + "\n")
         return row
 
-    def add_steps(self, generation: int, rank: int, items: list[dict[str, Any]]) -> None:
+    def add_steps(self, generation: int, rank: int, items: list[StepRecord]) -> None:
         self.db.executemany(
             "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?)",
             [
                 (
                     generation,
                     rank,
-                    it["step"],
-                    it["t_end"],
-                    it["dur"],
-                    it.get("loss"),
-                    it.get("tokens"),
-                    json.dumps(
-                        {**(it.get("sec") or {}), "t_coll": it.get("tc"), "gap": it.get("gap")}
-                    ),
+                    it.step,
+                    it.t_end,
+                    it.duration_s,
+                    it.loss,
+                    it.tokens,
+                    json.dumps({**it.sections, "t_coll": it.t_coll, "gap": it.gap}),
                 )
                 for it in items
             ],

@@ -39,9 +39,12 @@ Kinds (each fires once per job, not again after the restart it causes):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
+
+from trainguard.protocol.inject import SDC_DEFAULT_BIT, SDC_TARGETS, InjectSpec
+
+__all__ = ["SDC_DEFAULT_BIT", "SDC_TARGETS", "InjectSpec", "dumps", "loads", "parse_inject"]
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "kill": ("rank", "step"),
@@ -60,51 +63,9 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "sdc": ("bit", "target"),
     "gemm-wrong": ("step",),
 }
-SDC_DEFAULT_BIT = 22
-SDC_TARGETS = ("param", "grad", "optimizer")
 # Kinds the agent can fire by time, from outside the process: ``after=T`` replaces ``step=S``.
 TIMED = ("kill", "hang", "node-down")
 _EXAMPLE = "kill:rank=1:step=20"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class InjectSpec:
-    """One injected fault. ``id`` is its index on the command line (stable across restarts)."""
-
-    id: int
-    kind: str
-    rank: int | None = None
-    node: int | None = None
-    step: int | None = None
-    code: int = 1
-    factor: float = 1.0
-    after: float | None = None  # seconds after the worker started (agent-fired drills)
-    bit: int = SDC_DEFAULT_BIT  # sdc: the bit flipped (0 = the lowest)
-    target: str = "param"  # sdc: what holds the flipped bit (SDC_TARGETS)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> InjectSpec:
-        return InjectSpec(**d)
-
-    def describe(self) -> str:
-        if self.kind == "gemm-wrong":
-            return f"gemm-wrong:node={self.node}" + (f":step={self.step}" if self.step else "")
-        if self.kind in ("loss-spike", "nan"):
-            return f"{self.kind}:step={self.step}"
-        where = f"node={self.node}" if self.kind == "node-down" else f"rank={self.rank}"
-        tail = f":factor={self.factor}" if self.kind == "slow" else f":step={self.step}"
-        if self.after is not None:
-            tail = f":after={self.after:g}"
-        if self.kind == "slow" and self.step is not None:
-            tail += f":step={self.step}"
-        if self.kind == "sdc" and self.target != "param":
-            tail += f":target={self.target}"
-        if self.kind == "sdc" and self.bit != SDC_DEFAULT_BIT:
-            tail += f":bit={self.bit}"
-        return f"{self.kind}:{where}{tail}"
 
 
 def parse_inject(text: str, index: int) -> InjectSpec:

@@ -24,6 +24,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from trainguard.health import judge
+from trainguard.protocol import CheckResult, CheckTask
 
 if TYPE_CHECKING:  # handed in by the controller: health never imports it
     from trainguard.controller.store import Store
@@ -110,7 +111,7 @@ class Preflight:
         self._tcp_error: str | None = None
         self._tcp_thread: threading.Thread | None = None
         # Tasks as first handed out: a node's desired state must not change while it runs one.
-        self._tasks: dict[tuple[int, str, str], dict[str, Any]] = {}
+        self._tasks: dict[tuple[int, str, str], CheckTask] = {}
 
     # ------------------------------------------------------------------ the rendezvous store
     def _start_tcpstore(self) -> None:
@@ -169,7 +170,7 @@ class Preflight:
     def _sizes(self, run: CheckRun) -> dict[str, Any]:
         return dataclasses.replace(self.cfg, level=run.level).sizes()
 
-    def task_for(self, node_id: str, clock_skew_s: float | None) -> dict[str, Any] | None:
+    def task_for(self, node_id: str, clock_skew_s: float | None) -> CheckTask | None:
         """The check task ``node_id``'s agent must run now, or None."""
         run = self.active
         if run is None:
@@ -179,7 +180,7 @@ class Preflight:
             task = self._make_task(run, node_id, clock_skew_s)
             if task is None:
                 return None
-            self._tasks[key] = task
+            self._tasks[key] = CheckTask.from_json(task)
         return self._tasks[key]
 
     def _make_task(
@@ -216,16 +217,16 @@ class Preflight:
             }
         return None
 
-    def ingest(self, node_id: str, results: list[dict[str, Any]]) -> None:
-        """Results an agent reported: ``[{"task": id, "result": {...}}]``."""
+    def ingest(self, node_id: str, results: list[CheckResult]) -> None:
+        """Results an agent reported (each under its task id)."""
         run = self.active
         if run is None:
             return
         for item in results:
-            if item.get("task") == f"{run.id}-node" and node_id in run.node_results:
-                run.node_results[node_id] = run.node_results[node_id] or item["result"]
-            elif item.get("task") == f"{run.id}-net" and node_id in run.net_results:
-                run.net_results[node_id] = run.net_results[node_id] or item["result"]
+            if item.task == f"{run.id}-node" and node_id in run.node_results:
+                run.node_results[node_id] = run.node_results[node_id] or item.result
+            elif item.task == f"{run.id}-net" and node_id in run.net_results:
+                run.net_results[node_id] = run.net_results[node_id] or item.result
 
     def tick(self, now: float, alive: set[str]) -> CheckRun | None:
         """Advance the active run; returns it when it finished on this tick. A node that is no

@@ -19,6 +19,7 @@ from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.monitor import ALERT_KINDS
 from trainguard.controller.store import open_readonly, read_events, read_kv
+from trainguard.protocol import StepRecord
 
 TIER_EVENTS = {  # tier → the event that says a step is held there
     "memory": "ckpt_staged",
@@ -128,15 +129,16 @@ def _stragglers(
     det = StragglerDetector(DetectConfig(window_steps=int(cfg.get("straggler_window_steps", 20))))
     series: dict[str, list[list[float]]] = {}
     seen: dict[int, float] = {}
-    for gen, rank, step, _t, dur, _loss, _tok, sec in rows:
+    for gen, rank, step, t_end, dur, _loss, _tok, sec in rows:
         extra = json.loads(sec) if sec else {}
-        item = {
-            "step": step,
-            "dur": dur,
-            "sec": extra,
-            "tc": extra.get("t_coll"),
-            "gap": extra.get("gap"),
-        }
+        item = StepRecord(
+            step=step,
+            t_end=t_end,
+            duration_s=dur,
+            sections={k: float(v) for k, v in extra.items() if k not in ("t_coll", "gap")},
+            t_coll=extra.get("t_coll"),
+            gap=extra.get("gap"),
+        )
         det.add(gen, world, rank, [item])
         for r, score in det.scores.items():
             if seen.get(r) != score:

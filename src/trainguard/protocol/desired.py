@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from trainguard.protocol.common import ProtocolError, _need
+from trainguard.protocol.inject import InjectSpec, inject_from_json
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,10 +44,49 @@ class Shutdown:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Check:
-    """Run one pre-flight task (``agent/checks.py`` reads ``task``)."""
+class CheckTask:
+    """One pre-flight task for one node: ``id`` (``"<run>-<stage>"``, its results are reported
+    under it), pre-flight run ``run``, ``stage`` (``"node"``: the node's own checks; ``"net"``:
+    pairwise bandwidth and a short simulated training run), ``node_id`` the node that runs it,
+    ``level`` (``"quick"`` or ``"full"``), ``deadline_s`` seconds the agent lets it run.
+    ``params``: the stage's own inputs, read by ``health/node.py`` (sizes, the rendezvous
+    store's port, injected faults, …). On the wire one flat JSON object: the task file the
+    agent writes for ``health/node.py`` is that object."""
 
-    task: dict[str, Any]
+    id: str
+    run: int
+    stage: str
+    node_id: str
+    level: str
+    deadline_s: float
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat wire form: the named fields and ``params``' entries side by side."""
+        head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**head.pop("params"), **head}
+
+    @classmethod
+    def from_json(cls, body: Any) -> CheckTask:
+        """The task ``to_json`` wrote. Raises ProtocolError naming the field when ``body`` is
+        not one."""
+        _need(isinstance(body, dict), "desired.task: a JSON object")
+        for key, kind in (("id", str), ("run", int), ("stage", str), ("node_id", str),
+                          ("level", str)):  # fmt: skip
+            _need(isinstance(body.get(key), kind), f"desired.task.{key}: a {kind.__name__}")
+        _need(type(body.get("deadline_s")) in (int, float), "desired.task.deadline_s: a number")
+        named = {f.name for f in dataclasses.fields(cls)} - {"params"}
+        return cls(
+            **{k: body[k] for k in named},
+            params={k: v for k, v in body.items() if k not in named},
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Check:
+    """Run one pre-flight task (``agent/checks.py`` runs it)."""
+
+    task: CheckTask
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,7 +108,7 @@ class Run:
     ``master_addr:master_port`` (None until node rank 0 hosts the store: ``host_store``),
     restoring ``restore_step`` written by generation ``restore_gen`` (from memory unless
     ``restore_memory`` is false: after a world change every rank reads the durable tier).
-    Timeouts in seconds; ``injects``: fault drills not yet fired (``InjectSpec`` JSON);
+    Timeouts in seconds; ``injects``: fault drills not yet fired;
     ``replica_peers``: ckptd replica servers to copy snapshots to; ``replica_sources``: rank →
     replica server to fetch the restore point from."""
 
@@ -86,7 +126,7 @@ class Run:
     ckpt: CkptConf
     restarts: int
     max_restarts: int
-    injects: list[dict[str, Any]]
+    injects: list[InjectSpec]
     script: str
     launch: str
     log_dir: str | None
@@ -115,6 +155,10 @@ def desired_to_json(d: Desired) -> dict[str, Any]:
     for f in dataclasses.fields(d):
         v = getattr(d, f.name)
         out[f.name] = dataclasses.asdict(v) if isinstance(v, CkptConf) else v
+    if isinstance(d, Check):
+        out["task"] = d.task.to_json()
+    if isinstance(d, Run):
+        out["injects"] = [i.to_json() for i in d.injects]
     if isinstance(d, Stop):
         if d.persist is None:
             del out["persist"]
@@ -142,7 +186,40 @@ def desired_from_json(body: Any) -> Desired:
             args["persist"] = (int(p["step"]), int(p["generation"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"desired.persist: step and generation integers ({e!r})") from None
+    if kind is Check and "task" in args:
+        args["task"] = CheckTask.from_json(args["task"])
+    if kind is Run and isinstance(args.get("injects"), list):
+        args["injects"] = [
+            inject_from_json(i, f"desired.injects[{n}]") for n, i in enumerate(args["injects"])
+        ]
     try:
         return kind(**args)  # type: ignore[no-any-return]
     except TypeError as e:  # a missing or unknown field
         raise ProtocolError(f"desired {body.get('action')}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DesiredReply:
+    """The controller's answer to a report or a long poll: the node's desired state at
+    ``version`` (versions only grow); ``desired`` None when the report said the agent holds
+    that version already."""
+
+    version: int
+    desired: Desired | None = None
+
+
+def reply_to_json(r: DesiredReply) -> dict[str, Any]:
+    out: dict[str, Any] = {"version": r.version}
+    if r.desired is not None:
+        out["desired"] = desired_to_json(r.desired)
+    return out
+
+
+def reply_from_json(body: Any) -> DesiredReply:
+    """The reply ``reply_to_json`` wrote. Raises ProtocolError naming the field."""
+    _need(isinstance(body, dict) and type(body.get("version")) is int,
+          "reply.version: an integer")  # fmt: skip
+    d = body.get("desired")
+    return DesiredReply(
+        version=body["version"], desired=None if d is None else desired_from_json(d)
+    )
