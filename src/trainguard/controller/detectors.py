@@ -6,8 +6,9 @@ A detector is anything with ``name`` and ``observe(seen) -> list[Finding]``, cal
 intake (``ingest.Intake``) with every report. ``detectors`` is the one registry: adding a
 detector is a class here and its line there.
 
-- ``StepWatch``: stragglers and anomalies (loss spikes, non-finite losses, gradient-norm spikes,
-  throughput drops) on the step records (analysis.py, via ``Monitor.on_steps``);
+- ``StragglerWatch``: persistent stragglers on the step records (analysis.py);
+- ``AnomalyWatch``: loss spikes, non-finite losses, gradient-norm spikes and throughput drops
+  on rank 0's step records (analysis.py);
 - ``RiskDetector``: failure prediction from the hardware counters (risk.py);
 - ``ProbeDetector``: a node's in-job known-answer GEMM probe that came out wrong.
 """
@@ -17,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+from trainguard.controller.analysis import AnomalyDetector, DetectConfig, StragglerDetector
 from trainguard.controller.config import JobConfig
 from trainguard.controller.jobstate import JobState, Suspicion
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.pools import world_of
 from trainguard.controller.risk import RiskConfig, RiskWatch
-from trainguard.protocol import AgentReport
+from trainguard.protocol import AgentReport, StepRecord
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,33 +64,76 @@ class Detector(Protocol):
         ...
 
 
-class StepWatch:
-    """Straggler and anomaly detection on the current generation's step records (the monitor
-    keeps the detectors' state and the per-rank metrics). A finding that names a rank names its
-    node too; a gradient-norm spike is also a sign of silent corruption."""
+class _StepDetector:
+    """The shape of the detectors over step records: the current generation's batches, each
+    rank's in turn (``_batch``); a finding that names a rank names its node too."""
 
-    name = "steps"
-
-    def __init__(self, cfg: JobConfig, monitor: Monitor) -> None:
-        self.cfg, self.monitor = cfg, monitor
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.detect = DetectConfig(
+            window_steps=cfg.straggler.straggler_window_steps,
+            persist_windows=cfg.straggler.straggler_persist_windows,
+            grad_ratio=cfg.sdc.sdc_grad_ratio if cfg.sdc.sdc_check else 0.0,
+        )
 
     def observe(self, seen: Seen) -> list[Finding]:
         s, out = seen.state, []
         for b in seen.report.steps:
             if b.generation != s.generation or not b.items:
                 continue
-            world = world_of(s, self.cfg)
-            for kind, data in self.monitor.on_steps(b.generation, world, b.rank, b.items):
+            for kind, data in self._batch(b.generation, world_of(s, self.cfg), b.rank, b.items):
                 node = None
                 if "rank" in data:
-                    node = self._node_of(s, int(data["rank"]))
+                    node = _node_of(s, self.cfg, int(data["rank"]))
                     data = {**data, "node": node}
                 out.append(Finding(kind=kind, data=data, node=node, suspicion=_grad(kind, data)))
         return out
 
-    def _node_of(self, s: JobState, rank: int) -> str | None:
-        node_rank = rank // self.cfg.nproc_per_node
-        return next((n for n, r in s.assignment.items() if r == node_rank), None)
+    def _batch(
+        self, generation: int, world: int, rank: int, items: list[StepRecord]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        raise NotImplementedError
+
+
+class StragglerWatch(_StepDetector):
+    """Persistent stragglers (analysis.StragglerDetector); its scores go to the metrics."""
+
+    name = "straggler"
+
+    def __init__(self, cfg: JobConfig, monitor: Monitor) -> None:
+        super().__init__(cfg)
+        self.monitor = monitor
+        self.det = StragglerDetector(self.detect)
+
+    def _batch(
+        self, generation: int, world: int, rank: int, items: list[StepRecord]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        events = self.det.add(generation, world, rank, items)
+        self.monitor.on_scores(self.det.scores)
+        return events
+
+
+class AnomalyWatch(_StepDetector):
+    """Loss spikes, non-finite losses, gradient-norm spikes (also a sign of silent corruption)
+    and throughput drops on rank 0's step records (analysis.AnomalyDetector)."""
+
+    name = "anomaly"
+
+    def __init__(self, cfg: JobConfig) -> None:
+        super().__init__(cfg)
+        self.det = AnomalyDetector(self.detect)
+
+    def _batch(
+        self, generation: int, world: int, rank: int, items: list[StepRecord]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        if rank != 0:
+            return []
+        return self.det.add(generation, sorted(items, key=lambda it: it.step))
+
+
+def _node_of(s: JobState, cfg: JobConfig, rank: int) -> str | None:
+    node_rank = rank // cfg.nproc_per_node
+    return next((n for n, r in s.assignment.items() if r == node_rank), None)
 
 
 def _grad(kind: str, data: dict[str, Any]) -> Suspicion | None:
@@ -166,4 +211,4 @@ class ProbeDetector:
 
 def detectors(cfg: JobConfig, monitor: Monitor) -> list[Detector]:
     """The registry: every detector, in the order each sees a report."""
-    return [StepWatch(cfg, monitor), RiskDetector(cfg), ProbeDetector()]
+    return [StragglerWatch(cfg, monitor), AnomalyWatch(cfg), RiskDetector(cfg), ProbeDetector()]

@@ -160,6 +160,8 @@ class Intake:
     def _steps(self, b: StepBatch, s: JobState, inputs: Inputs) -> None:
         """Store one rank's step records; the first-step milestone once every rank is in."""
         self.store.add_steps(b.generation, b.rank, b.items)
+        if b.generation == s.generation and b.items:
+            self.monitor.on_steps(b.rank, b.items)
         first, got = self.milestones.steps(b.generation, b.rank, b.items, world_of(s, self.cfg))
         if first is not None:
             self.store.record("first_step", first)

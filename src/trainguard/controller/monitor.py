@@ -1,6 +1,6 @@
-"""The controller's watch over a running job: straggler and anomaly detection on the step
-records (analysis.py), alerts (events, ``trainguard status``, an optional webhook) and
-Prometheus metrics (``GET /metrics``).
+"""The controller's view of a running job for people: alerts (events, ``trainguard status``,
+an optional webhook) and Prometheus metrics (``GET /metrics``). What raises the alerts is the
+detectors' (detectors.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from trainguard.controller.analysis import AnomalyDetector, DetectConfig, Event, StragglerDetector
 from trainguard.controller.jobmetrics import StepFigures
 from trainguard.protocol import StepRecord
 
@@ -35,11 +34,10 @@ WEBHOOK_TIMEOUT_S = 5.0
 
 
 class Monitor:
-    """Feed it step records with ``on_steps``; it returns alert events for the store."""
+    """Feed it step records with ``on_steps`` and straggler scores with ``on_scores`` (the
+    metrics), alerts with ``alert``."""
 
-    def __init__(self, cfg: DetectConfig, webhook: str | None = None) -> None:
-        self.stragglers = StragglerDetector(cfg)
-        self.anomalies = AnomalyDetector(cfg)
+    def __init__(self, webhook: str | None = None) -> None:
         self.webhook = webhook
         self.alerts: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -93,10 +91,8 @@ class Monitor:
             registry=r,
         )
 
-    def on_steps(
-        self, generation: int, world: int, rank: int, items: list[StepRecord]
-    ) -> list[Event]:
-        """One rank's step records (as agents report them); returns the alert events."""
+    def on_steps(self, rank: int, items: list[StepRecord]) -> None:
+        """One rank's step records of the current generation (as agents report them)."""
         last = max(items, key=lambda it: it.step)
         self.g_step.labels(rank).set(last.step)
         self.g_step_s.labels(rank).set(last.duration_s)
@@ -105,14 +101,13 @@ class Monitor:
         self.g_compute.labels(rank).set(max(0.0, last.duration_s - comm))
         if rank == 0:
             self.figures.add(items)
-        events = self.stragglers.add(generation, world, rank, items)
-        for r, score in self.stragglers.scores.items():
-            self.g_score.labels(r).set(score)
-        if rank == 0:
             if last.loss is not None:
                 self.g_loss.set(float(last.loss))
-            events += self.anomalies.add(generation, sorted(items, key=lambda it: it.step))
-        return events
+
+    def on_scores(self, scores: dict[int, float]) -> None:
+        """The straggler detector's newest score per rank."""
+        for r, score in scores.items():
+            self.g_score.labels(r).set(score)
 
     def alert(self, kind: str, data: dict[str, Any]) -> None:
         """Count and keep an alert (for status), and post it to the webhook if one is set."""

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from trainguard import protocol
 from trainguard.checkpoint import fingerprint, storage
-from trainguard.controller.analysis import DetectConfig
 from trainguard.controller.api import NodeObs, Phase, Pool
 from trainguard.controller.checking import PreflightDriver
 from trainguard.controller.checkonly import decide_check
@@ -66,17 +65,6 @@ def _signature(s: JobState) -> tuple[Any, ...]:
         s.phase, s.generation, s.master_port, s.restore_step, s.restore_gen, len(s.fired),
         s.restarts, s.persist is not None, len(s.pools), len(s.assignment),
     )  # fmt: skip
-
-
-def _monitor(cfg: JobConfig) -> Monitor:
-    return Monitor(
-        DetectConfig(
-            window_steps=cfg.straggler.straggler_window_steps,
-            persist_windows=cfg.straggler.straggler_persist_windows,
-            grad_ratio=cfg.sdc.sdc_grad_ratio if cfg.sdc.sdc_check else 0.0,
-        ),
-        cfg.metrics.alert_webhook,
-    )
 
 
 def _preflight(
@@ -163,7 +151,7 @@ class Controller:
         self._encoder = StateEncoder()
         self._checking = PreflightDriver()
         self.closing = False
-        self.monitor = _monitor(cfg)
+        self.monitor = Monitor(cfg.metrics.alert_webhook)
         self.monitor.registry.register(JobCollector(self._metric_state, self.monitor.figures))
         self.preflight = _preflight(cfg, store, check_only, check_cfg)
         self.intake = Intake(cfg, store, self.monitor, lambda: self.preflight, self._checking.seen)
