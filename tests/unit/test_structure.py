@@ -55,3 +55,15 @@ def test_each_package_imports_only_the_packages_below_it() -> None:
         if set(deps) - LAYERS[pkg]
     }
     assert wrong == {}, f"imports against the layering (package: what it may not import): {wrong}"
+
+
+def test_wire_messages_are_read_typed_and_no_function_is_over_80_lines() -> None:
+    """The receiving modules read typed messages (string-key reads of wire dicts below
+    ``MAX_WIRE_READS``), and every function over ``MAX_FUNCTION_LINES`` lines says why
+    (``# long:``) — none does today."""
+    mod = _structure()
+    counts = mod.measure()
+    wire = counts["wire_dict_reads"]
+    assert wire["total"] < mod.MAX_WIRE_READS, f"string-key reads of wire dicts: {wire}"
+    assert counts["long_functions"] == [], "split these, or say why with # long: <reason>"
+    assert mod.main(["--check"]) == 0
