@@ -46,6 +46,13 @@ from trainguard.protocol.worker import (
 )
 from trainguard.runtime import api, wire
 
+# A step's record as the training thread queues it: (step, t_end, duration_s, loss, tokens,
+# grad_norm, sections, t_coll, gap), the fields of StepRecord in order.
+StepTuple = tuple[
+    int, float, float, float | None, int | None, float | None, dict[str, float], float | None,
+    float | None,
+]  # fmt: skip
+
 
 class Runtime:
     """Per-process runtime handle. Create with :func:`trainguard.init`."""
@@ -71,7 +78,7 @@ class Runtime:
         self._steps_ended = 0  # in this process (its first step includes start-up)
         # What the training thread queues for the reporter: a step's record as it is (one
         # object built per step), the other messages as sent.
-        self._queue: queue.SimpleQueue[Item | StepRecord] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Item | StepTuple] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
         self._agent: tuple[str, int] | None = None
@@ -246,18 +253,9 @@ class Runtime:
         t_coll, self._first_issue = self._first_issue, None
         gap, self._gap = self._gap, None
         if self._agent is not None:
-            record = StepRecord(
-                step=step,
-                t_end=now,
-                duration_s=duration,
-                loss=loss,
-                tokens=tokens,
-                grad_norm=grad_norm,
-                sections=sections,
-                t_coll=t_coll,
-                gap=gap,
-            )
-            self._queue.put(record)  # made a StepEnd and encoded on the reporter thread
+            # A tuple here (a dataclass costs several µs on this thread); the reporter thread
+            # makes it a StepRecord in a StepEnd and encodes it.
+            self._queue.put((step, now, duration, loss, tokens, grad_norm, sections, t_coll, gap))
         for spec in self._injects:
             self._maybe_fire(spec, step, duration)
 
@@ -328,7 +326,7 @@ class Runtime:
     def _report_loop(self) -> None:
         next_beat = 0.0
         while not self._closed.is_set():
-            batch: list[Item | StepRecord] = []
+            batch: list[Item | StepTuple] = []
             timeout = max(0.0, next_beat - time.monotonic())
             try:
                 batch.append(self._queue.get(timeout=timeout))
@@ -397,7 +395,7 @@ class Runtime:
 
     def _flush(self) -> None:
         """Send every queued report now (atexit; bounded by the queue's length)."""
-        batch: list[Item | StepRecord] = []
+        batch: list[Item | StepTuple] = []
         with contextlib.suppress(queue.Empty, OSError):
             while True:
                 batch.append(self._queue.get_nowait())
@@ -419,8 +417,16 @@ class Runtime:
             self._sock = None
 
 
-def _batch(queued: list[Item | StepRecord]) -> Batch:
-    return Batch(tuple(StepEnd(it) if isinstance(it, StepRecord) else it for it in queued))
+def _step_end(q: StepTuple) -> StepEnd:
+    step, t_end, duration, loss, tokens, grad_norm, sections, t_coll, gap = q
+    return StepEnd(
+        StepRecord(step=step, t_end=t_end, duration_s=duration, loss=loss, tokens=tokens,
+                   grad_norm=grad_norm, sections=sections, t_coll=t_coll, gap=gap)
+    )  # fmt: skip
+
+
+def _batch(queued: list[Item | StepTuple]) -> Batch:
+    return Batch(tuple(_step_end(it) if isinstance(it, tuple) else it for it in queued))
 
 
 _runtime: Runtime | None = None
