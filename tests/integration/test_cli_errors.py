@@ -128,7 +128,7 @@ def test_config_file_values_apply_and_bad_types_are_one_line(tmp_path: Path) -> 
     cfg.write_text('heartbeat_s = "fast"\n')
     res = _run("run", "--run-dir", str(tmp_path / "r2"), "--config", str(cfg), str(GPT))
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert "heartbeat_s = 'fast' is a string; heartbeat_s takes a number" in res.stderr
+    assert 'heartbeat_s = "fast" is a string; heartbeat_s takes a number' in res.stderr
     (tmp_path / "r3").mkdir()
     (tmp_path / "r3" / "job.sqlite").write_bytes(b"garbage" * 100)
     res = _run("report", "--run-dir", str(tmp_path / "r3"))
@@ -141,9 +141,9 @@ def test_config_file_values_apply_and_bad_types_are_one_line(tmp_path: Path) -> 
         ("nodes = 2.5", "nodes = 2.5 is a float; nodes takes an integer"),
         (
             'memory_tier = "false"',
-            "memory_tier = 'false' is a string; memory_tier takes true or false",
+            'memory_tier = "false" is a string; memory_tier takes true or false',
         ),
-        ("nodes = true", "nodes = True is a boolean; nodes takes an integer"),
+        ("nodes = true", "nodes = true is a boolean; nodes takes an integer"),
         ('preflight = "fast"', "preflight='fast': use quick, full or off"),
     ],
 )

@@ -77,18 +77,27 @@ def test_flags_beat_the_file_and_timing_scales(tmp_path: Path) -> None:
     ("toml", "needle"),
     [
         ("[checkpoint]\nkeep_checkpointz = 3\n",
-         "unknown field(s) [checkpoint] keep_checkpointz; known in [checkpoint]: memory_tier, "),
-        ("keep_checkpointz = 3\n", "unknown field(s) keep_checkpointz; known: "),
+         "unknown field(s) [checkpoint] keep_checkpointz (did you mean [checkpoint] "
+         "keep_checkpoints?); known in [checkpoint]: memory_tier, "),
+        ("keep_checkpointz = 3\n",
+         "unknown field(s) keep_checkpointz (did you mean keep_checkpoints?); known: "),
+        ("[timeout]\nheartbeat_s = 1.0\n",
+         "unknown field(s) [timeout] (did you mean [timeouts]?); sections: [timeouts], "),
+        ("x = = 1\n", "Invalid value (at line 1, column 5); give a readable TOML file"),
+        ("max_restarts = true\n", "max_restarts = true is a boolean; max_restarts takes an integer"),
+        ("[preflight.checks]\ngemm_min_ratoi = 0.5\n",
+         "[preflight.checks] unknown field(s) gemm_min_ratoi (did you mean gemm_min_ratio?); "
+         "known: gemm_min_ratio, "),
         ("[timeouts]\nheartbeat_s = \"fast\"\n",
-         "[timeouts] heartbeat_s = 'fast' is a string; heartbeat_s takes a number"),
-        ('heartbeat_s = "fast"\n', "heartbeat_s = 'fast' is a string; heartbeat_s takes a number"),
+         '[timeouts] heartbeat_s = "fast" is a string; heartbeat_s takes a number'),
+        ('heartbeat_s = "fast"\n', 'heartbeat_s = "fast" is a string; heartbeat_s takes a number'),
         ("preflight = 3\n", "preflight = 3 is an integer; preflight takes one of 'off', 'quick', 'full'"),
         ('[preflight]\nlevel = "fast"\n', "preflight='fast': use quick, full or off"),
         ("timeouts = 3\n", "timeouts = 3 is an integer; timeouts takes a table ([timeouts]"),
         ("heartbeat_s = 0.2\n[timeouts]\nheartbeat_s = 0.3\n",
          "[timeouts] heartbeat_s is set twice (flat and in [timeouts]); keep one"),
         ('script = "other.py"\n', "unknown field(s) script"),
-        ("[checks]\nno_such = 1\n", "[checks]"),
+        ("[checks]\nno_such = 1\n", "[preflight.checks] unknown field(s) no_such; known: "),
     ],
 )  # fmt: skip
 def test_bad_files_say_the_key_and_the_fix(tmp_path: Path, toml: str, needle: str) -> None:
@@ -98,6 +107,17 @@ def test_bad_files_say_the_key_and_the_fix(tmp_path: Path, toml: str, needle: st
     assert "\n" not in msg and needle in msg, msg
     # What the loader finds names the file; a section's own check names the value.
     assert msg.startswith(f"--config {tmp_path / 'job.toml'}: ") or msg.startswith(needle), msg
+
+
+def test_a_missing_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    from trainguard.cli.run import load_job_fields
+
+    with pytest.raises(ValueError) as e:
+        load_job_fields(tmp_path / "nope.toml")
+    assert str(e.value) == (
+        f"--config {tmp_path / 'nope.toml'}: No such file or directory; give a readable TOML "
+        "file of job config fields (docs/config.md)"
+    )
 
 
 def test_from_fields_flat_or_by_section() -> None:

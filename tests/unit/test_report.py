@@ -135,3 +135,19 @@ def test_a_fault_without_a_message_is_printed(
     s.close()
     assert print_report(tmp_path, as_json=False) == 0
     assert "faults: 2" in capsys.readouterr().out
+
+
+def test_the_recoveries_table_names_every_tier_that_served_a_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost host's ranks restored from their peers' replicas: the "from" cell says so."""
+    monkeypatch.setenv("COLUMNS", "200")
+    s = Store(tmp_path)
+    s.record("job_started", {}, ts=1.0)
+    rec = {**_recovery(_fault("node_lost", None, "n1", 39, 0, "no heartbeat"), 0, 39, 1),
+           "restore_tiers": {"memory": 2, "replica": 2, "durable": 0}}  # fmt: skip
+    s.put("state", {"phase": "SUCCEEDED", "reason": "done", "incarnation": 1, "generation": 1,
+                    "fired": [], "pools": {}, "recoveries": [rec]})  # fmt: skip
+    s.close()
+    assert print_report(tmp_path, as_json=False) == 0
+    assert "mem 2/replica 2/disk 0" in capsys.readouterr().out

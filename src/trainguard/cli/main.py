@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from trainguard import __version__
 from trainguard.controller.config import PreflightLevel, field_of
+from trainguard.faults.inject import KINDS as INJECT_KINDS
 
 
 class _Refuse(argparse.Action):
@@ -45,7 +46,8 @@ def torchrun_flags(p: argparse.ArgumentParser, *, multi_host: bool) -> None:
     p.add_argument("--no-python", "--no_python", action="store_true",
                    help="SCRIPT is a program run as it is, not a Python file")  # fmt: skip
     p.add_argument("--standalone", action="store_true",
-                   help="accepted for torchrun scripts: trainguard run is always standalone")  # fmt: skip
+                   help="accepted for torchrun scripts (trainguard runs its own rendezvous; no etcd or "
+                        "c10d endpoint is needed)")  # fmt: skip
     names, kw = _field_flag("log_dir", "--log_dir", shown="", type=Path, default=None)
     p.add_argument(*names, **kw)
     if multi_host:
@@ -119,9 +121,10 @@ _JOB_FLAGS_AFTER: tuple[Flag, ...] = (
     _field_flag("hang_timeout_s", "--hang_timeout", shown=_CALIBRATED, type=float, default=None,
                 metavar="SECONDS"),
     _field_flag("injects", action="append", default=[], metavar="SPEC",
-                help="fault drill, e.g. kill:rank=1:step=20 (kill|exit|hang|node-down|slow)"),
+                help=f"fault drill, e.g. kill:rank=1:step=20 ({'|'.join(INJECT_KINDS)}; "
+                     "docs/drills.md)"),
     (("--config",),
-     dict(type=Path, default=None, help="TOML file with further JobConfig fields")),
+     dict(type=Path, default=None, help="TOML file of further job config fields (docs/config.md)")),
     (("script",), dict(help="training script (Python)")),
     (("script_args",), dict(nargs=argparse.REMAINDER, help="its arguments")),
 )  # fmt: skip

@@ -34,10 +34,12 @@ from trainguard.controller.config import (
     COMMAND_LINE_FIELDS,
     FLAT,
     JobConfig,
+    did_you_mean,
     group_fields,
     has_type,
     scaled_timing,
     toml_type,
+    toml_value,
     type_text,
 )
 from trainguard.controller.jobstate import JobState, state_from_json
@@ -75,7 +77,10 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
     """The table in the TOML file ``path``. Raises ValueError naming an unreadable file."""
     try:
         return tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise ValueError(f"--config {path}: {why}; give a readable TOML file of {what}") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"--config {path}: {e}; give a readable TOML file of {what}") from None
 
 
@@ -89,14 +94,15 @@ def load_fields(path: Path | None, cls: Any) -> dict[str, Any]:
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(
-            f"--config {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            f"--config {path}: unknown field(s) {', '.join(unknown)}"
+            f"{did_you_mean(unknown, sorted(known))}; known: {', '.join(sorted(known))}"
         )
     hints = typing.get_type_hints(cls)
     for name, value in extra.items():
         want = type_text(hints[name])
         if want is not None and not has_type(value, hints[name]):
             raise ValueError(
-                f"--config {path}: {name} = {value!r} is {toml_type(value)}; {name} takes {want}"
+                f"--config {path}: {name} = {toml_value(value)} is {toml_type(value)}; {name} takes {want}"
             )
     return extra
 
@@ -107,10 +113,9 @@ def load_job_fields(path: Path | None) -> dict[str, Any]:
     unreadable file, an unknown field or a wrong type."""
     if path is None:
         return {}
+    data = read_toml(path, "job config fields (docs/config.md)")
     try:
-        return group_fields(
-            read_toml(path, "JobConfig fields"), skip=COMMAND_LINE_FIELDS, check_types=True
-        )
+        return group_fields(data, skip=COMMAND_LINE_FIELDS, check_types=True)
     except ValueError as e:
         raise ValueError(f"--config {path}: {e}") from None
 
@@ -161,13 +166,18 @@ def build_config(args: argparse.Namespace) -> JobConfig:
             f"--config {args.config}: a field has the wrong type ({e}); see docs/config.md "
             "for each field's type"
         ) from None
-    try:
-        CheckConfig(**{"level": "quick", **cfg.preflight.checks})
-    except (TypeError, ValueError) as e:
+    checks = cfg.preflight.checks
+    known = [f.name for f in dataclasses.fields(CheckConfig) if f.name != "level"]
+    unknown = [k for k in checks if k not in known]
+    if unknown:
         raise ValueError(
-            f"--config {args.config}: [checks] {e}; its fields are CheckConfig's "
-            "(src/trainguard/health/judge.py)"
-        ) from None
+            f"--config {args.config}: [preflight.checks] unknown field(s) {', '.join(unknown)}"
+            f"{did_you_mean(unknown, known)}; known: {', '.join(known)} (docs/preflight.md)"
+        )
+    try:
+        CheckConfig(**{"level": "quick", **checks})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--config {args.config}: [preflight.checks] {e}") from None
     _check_writable(run_dir)
     if cfg.log_dir is not None:
         _check_writable(Path(cfg.log_dir))

@@ -15,7 +15,9 @@ pre-flight level: flat ``preflight = "off"`` is ``[preflight]`` ``level = "off"`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import json
 import math
 import os
 import types
@@ -518,7 +520,7 @@ def group_fields(
             if not isinstance(value, Mapping):
                 _need(
                     isinstance(value, SECTIONS[key]),
-                    f"{key} = {value!r} is {toml_type(value)}; {key} takes a table ([{key}] "
+                    f"{key} = {toml_value(value)} is {toml_type(value)}; {key} takes a table ([{key}] "
                     "and its fields)",
                 )
                 _need(key not in out, f"[{key}] is given whole and by field; give it once")
@@ -536,21 +538,53 @@ def group_fields(
                 _check_type(key, value, _hints(JobConfig)[key])
             out[key] = value
         else:
-            unknown.append(key)
+            unknown.append(f"[{key}]" if isinstance(value, Mapping) else key)
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(unknown)}; {_known(unknown, skip)}")
+        raise ValueError(
+            f"unknown field(s) {', '.join(unknown)}{did_you_mean(unknown, _names(skip))}; "
+            f"{_known(unknown, skip)}"
+        )
     return out
+
+
+def _names(skip: frozenset[str]) -> list[str]:
+    """Every name a config file may give: flat fields, sections, fields in their sections."""
+    names = [n for n in (*FLAT, *TOP) if n not in skip and n not in SECTIONS]
+    names += [f"[{s}]" for s in SECTIONS]
+    names += [f"[{s}] {f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
+    return names
+
+
+def did_you_mean(given: list[str], names: list[str]) -> str:
+    """`` (did you mean X?)`` for the first of ``given`` close to one of ``names`` (difflib's
+    ratio ≥ 0.75), else ""."""
+    for g in given:
+        close = difflib.get_close_matches(g, names, n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML file spells it (``true``, ``"fast"``, ``[1, 2]``)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _known(unknown: list[str], skip: frozenset[str]) -> str:
     """The fields there are where ``unknown`` were given: flat, or in their sections."""
     said = []
+    if any(u.startswith("[") and " " not in u for u in unknown):
+        said.append(f"sections: {', '.join(f'[{s}]' for s in SECTIONS)}")
     if any(not u.startswith("[") for u in unknown):
         flat = sorted({*FLAT, *(n for n in TOP if n not in skip)})
         said.append(
             f"known: {', '.join(flat)} (or in sections: {', '.join(f'[{s}]' for s in SECTIONS)})"
         )
-    for section in dict.fromkeys(u[1:].split("]")[0] for u in unknown if u.startswith("[")):
+    given = (u for u in unknown if u.startswith("[") and " " in u)
+    for section in dict.fromkeys(u[1:].split("]")[0] for u in given):
         names = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
         said.append(f"known in [{section}]: {names}")
     return "; ".join(said)
@@ -575,7 +609,7 @@ def _check_type(said: str, value: Any, hint: Any) -> None:
     want, name = type_text(hint), said.rsplit(" ", 1)[-1]
     _need(
         want is None or has_type(value, hint),
-        f"{said} = {value!r} is {toml_type(value)}; {name} takes {want}",
+        f"{said} = {toml_value(value)} is {toml_type(value)}; {name} takes {want}",
     )
 
 

@@ -27,7 +27,9 @@ edit the field docs there, then run it. tests/unit/test_config_doc.py checks thi
 `--config FILE`. A field may be given in its section or flat, at the top of the file (each
 name is unique): `[checkpoint]` `keep_checkpoints = 3` and `keep_checkpoints = 3` are the
 same setting. The one flat name that differs is the pre-flight level: `preflight = "off"`
-is `[preflight]` `level = "off"`. A flag given on the command line beats the file.
+is `[preflight]` `level = "off"`; a file that gives the level flat gives the checks'
+thresholds as `[checks]` (TOML cannot make `preflight` a string and a table at once). A flag
+given on the command line beats the file.
 
 ```toml
 nodes = 2
@@ -42,7 +44,7 @@ keep_checkpoints = 3
 [preflight]
 level = "quick"
 
-[preflight.checks]   # CheckConfig fields (health/judge.py), also `[checks]` at the top
+[preflight.checks]   # the checks' thresholds (docs/preflight.md)
 gemm_min_ratio = 0.5
 ```
 """

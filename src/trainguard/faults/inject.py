@@ -46,7 +46,7 @@ from trainguard.protocol.inject import SDC_DEFAULT_BIT, SDC_TARGETS, InjectSpec
 
 __all__ = ["SDC_DEFAULT_BIT", "SDC_TARGETS", "InjectSpec", "dumps", "loads", "parse_inject"]
 
-_REQUIRED: dict[str, tuple[str, ...]] = {
+_REQUIRED: dict[str, tuple[str, ...]] = {  # kind → its required keys
     "kill": ("rank", "step"),
     "exit": ("rank", "step", "code"),
     "hang": ("rank", "step"),
@@ -63,6 +63,7 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "sdc": ("bit", "target"),
     "gemm-wrong": ("step",),
 }
+KINDS = tuple(_REQUIRED)  # every drill --inject takes (docs/drills.md)
 # Kinds the agent can fire by time, from outside the process: ``after=T`` replaces ``step=S``.
 TIMED = ("kill", "hang", "node-down")
 _EXAMPLE = "kill:rank=1:step=20"

@@ -430,6 +430,20 @@ def _print_alerts(con: Console, alerts: list[dict[str, Any]]) -> None:
     con.print(al)
 
 
+def _tiers_cell(tiers: dict[str, int]) -> str:
+    """Ranks restored per tier, fastest first: ``mem 2/replica 2/disk 0`` (memory and disk
+    always, any other tier when it served a rank); "—" when the recovery restored nothing."""
+    if not tiers:
+        return "—"
+    short = {"memory": "mem", "durable": "disk"}
+    order = ["memory", *(k for k in tiers if k not in ("memory", "durable")), "durable"]
+    return "/".join(
+        f"{short.get(k, k)} {tiers.get(k, 0)}"
+        for k in order
+        if k in ("memory", "durable") or tiers.get(k)
+    )
+
+
 def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
     """One row per recovery on a wide terminal; on a narrow one (a pipe, 80 columns) one
     column per recovery, the phases down the side, as many recoveries a table as fit."""
@@ -441,7 +455,7 @@ def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
             (
                 f"{r['from_generation']}→{r['to_generation']}",
                 str(r["restore_step"]),
-                f"mem {tiers.get('memory', 0)}/disk {tiers.get('durable', 0)}" if tiers else "—",
+                _tiers_cell(tiers),
                 str(r["steps_lost"]),
                 *(_fmt(r["phases_s"].get(p)) for p in PHASES),
             )
