@@ -36,6 +36,10 @@ def record_decided(store: Store, monitor: Monitor, kind: str, data: dict[str, An
             data["step"], who, data["how"], data["action"],
         )  # fmt: skip
     elif kind == "recovery_completed":
-        took = {k: round(v, 3) for k, v in data["durations_s"].items() if v is not None}
+        took = ", ".join(
+            f"{k} {v:.3f}s"
+            for k, v in data["durations_s"].items()
+            if v is not None and k != "total"
+        )
         total = data["durations_s"]["total"] or -1
-        log.info("[gen %d] recovered in %.2fs: %s", data["generation"], total, took)
+        log.info("[gen %d] recovered in %.2fs (%s)", data["generation"], total, took)

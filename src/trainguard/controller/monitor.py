@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
+import json
 import logging
 from typing import Any
 
@@ -113,7 +115,7 @@ class Monitor:
         """Count and keep an alert (for status), and post it to the webhook if one is set."""
         self.c_alerts.labels(kind).inc()
         self.alerts.append({"kind": kind, **data})
-        log.warning("alert %s: %s", kind, data)
+        log.warning("alert %s: %s", kind, _fields(data))
         if self.webhook:
             with contextlib.suppress(RuntimeError):  # no running loop: tests call this directly
                 task = asyncio.get_running_loop().create_task(self._post({"kind": kind, **data}))
@@ -142,3 +144,19 @@ class Monitor:
         for pool in ("running", "standby", "faulty", "retired"):
             self.g_nodes.labels(pool).set(sum(1 for v in pools.values() if v == pool))
         return bytes(generate_latest(self.registry))
+
+
+def _fields(data: dict[str, Any]) -> str:
+    """An alert's data for a log line: ``key=value`` pairs, enums by their value, floats to 4
+    significant digits, anything nested as JSON."""
+
+    def one(v: Any) -> str:
+        if isinstance(v, enum.Enum):
+            return str(v.value)
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, dict | list | tuple):
+            return json.dumps(v, default=str, separators=(",", ":"))
+        return str(v)
+
+    return " ".join(f"{k}={one(v)}" for k, v in data.items())
