@@ -134,12 +134,27 @@ def test_a_malformed_request_is_refused_with_its_reason_and_the_connection_serve
             (b'{"op": "defrag"}', "refused: op: one of alloc, staged, persist"),
             (b'{"op": "status", "v": 99}', "refused: status: protocol version 99"),
             (b"not json", "refused: not a JSON line"),
+            (b'{"op": "wait_durable", "step": 1, "timeout_s": NaN}',
+             "refused: NaN is not a number a message may carry"),
+            (b'{"op": "alloc", "rank": 0, "nbytes": 1e999}', "refused: number 1e999 is not finite"),
+            (b'{"op": "alloc", "rank": 99, "nbytes": -1}', "alloc: rank 99 and nbytes -1 must be"),
+            (b'{"op": "wait_durable", "step": 1, "timeout_s": -5}',
+             "wait_durable: timeout_s -5 must be 0.."),
+            (b'{"op": "staged", "rank": 0, "slot": "/etc/passwd", "step": 1, "generation": 0, '
+             b'"durable": true}', "/etc/passwd: not a slot of this node's"),
         ):
             c.f.write(line + b"\n")
             c.f.flush()
             reply = json.loads(c.f.readline())
             assert set(reply) == {"v", "error"} and reply["error"].startswith(says), reply
         assert not list(shm.iterdir())  # nothing was allocated
+        # A forget names only this node's slots: no file elsewhere is touched.
+        victim = tmp_path / "v.sum"
+        victim.write_text("x")
+        for slot in (tmp_path / "v", shm / ".." / "v"):
+            with pytest.raises(CheckpointError, match="not a slot of this node's"):
+                c.call(Forget(slot=str(slot)))
+        assert victim.read_text() == "x"
         with pytest.raises(CheckpointError, match="no job token: replicas are off"):
             c.call(Fetch(rank=0, step=1, generation=0, source="127.0.0.1:1"))  # an error reply
         assert c.call(Status()).memory == {}  # the same connection still serves

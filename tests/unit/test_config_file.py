@@ -98,6 +98,13 @@ def test_flags_beat_the_file_and_timing_scales(tmp_path: Path) -> None:
          "[timeouts] heartbeat_s is set twice (flat and in [timeouts]); keep one"),
         ('script = "other.py"\n', "unknown field(s) script"),
         ("[checks]\nno_such = 1\n", "[preflight.checks] unknown field(s) no_such; known: "),
+        # Values no deadline, retention or timing can use (a node never lost, nothing kept).
+        ("[timeouts]\nnode_timeout_s = inf\n",
+         "node_timeout_s=inf: must be a finite number of seconds > 0"),
+        ("heartbeat_s = nan\n", "heartbeat_s=nan: must be a finite number of seconds > 0"),
+        ("stop_grace_s = -1.0\n", "stop_grace_s=-1.0: must be a finite number of seconds >= 0"),
+        ("keep_checkpoints = 0\n", "keep_checkpoints=0: must be >= 1"),
+        ("nodes = 99999999999999\n", "--nodes 99999999999999: at most 1,048,576 nodes"),
     ],
 )  # fmt: skip
 def test_bad_files_say_the_key_and_the_fix(tmp_path: Path, toml: str, needle: str) -> None:

@@ -257,3 +257,46 @@ def test_every_ckptd_op_has_one_request_type_and_its_reply_type() -> None:
     for kind in cw._OPS.values():
         assert kind.reply in (cw.OkReply, cw.AllocReply, cw.PersistReply, cw.WaitDurableReply,
                               cw.VerifyReply, cw.StatusReply, cw.FetchReply)  # fmt: skip
+
+
+# A real worker's sender, as the agent's datagram drain takes it.
+SENDER_JSON = {"v": 1, "rank": 0, "pid": 4242, "gen": 0}
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        # An inject_fired event is checked as the report wire checks it: a drill the agent
+        # forwards can never be one its controller refuses (that killed the agent once).
+        ({"t": "event", "kind": "inject_fired", "ts": 1.0, "step": 3, "inject": {"kind": "kill"}},
+         "event inject_fired.inject: InjectSpec.__init__() missing 1 required"),
+        ({"t": "event", "kind": "inject_fired", "ts": 1.0, "step": 3,
+          "inject": {"id": 0, "kind": 5}}, "event inject_fired.inject.kind: str expected"),
+    ],
+)  # fmt: skip
+def test_a_drill_the_report_wire_would_refuse_is_refused_on_receipt(body: Any, says: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        wire.decode_message(TOKEN, wire.encode(TOKEN, {**SENDER_JSON, **body}))
+    assert str(e.value).startswith(says), e.value
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b'{"t": "event", "kind": "x", "ts": NaN}', "NaN is not a number a message may carry"),
+        (b'{"t": "event", "kind": "x", "ts": 1e400}', "number 1e400 is not finite"),
+        (b'{"t": "event", "kind": "x", "ts": 1.0, "step": 1000000000000000000000000000000}',
+         "does not fit 64 bits"),
+        (b'{"t": "hb", "ts": Infinity}', "Infinity is not a number a message may carry"),
+    ],
+)  # fmt: skip
+def test_no_datagram_carries_a_value_the_store_or_a_deadline_cannot_hold(
+    raw: bytes, says: str
+) -> None:
+    """NaN, infinities and integers past 64 bits are refused at decoding, on every wire: one
+    such event once made every report of its node fail in the controller's store (HTTP 500)
+    until the job failed."""
+    body = raw[:-1] + b', "v": 1, "rank": 0, "pid": 4242, "gen": 0}'
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        wire.decode_message(TOKEN, hmac.new(TOKEN, body, hashlib.sha256).hexdigest().encode()
+                            + b"\n" + body)  # fmt: skip

@@ -59,8 +59,26 @@ def test_a_report_survives_the_wire_typed() -> None:
         ({"v": 0}, "v:"),
         ({"v": PROTOCOL_VERSION + 1}, "upgrade the controller"),
         ({"store": 5}, "store"),
+        # Every field a worker report carries is checked, not only those read at once.
+        ({"workers": [{**GOOD["workers"][0], "step": "abc"}]}, "workers[].step: int or null"),
+        ({"workers": [{**GOOD["workers"][0], "exit_code": "boom"}]}, "workers[].exit_code"),
+        ({"workers": [{**GOOD["workers"][0], "coll": "zz"}]}, "workers[].coll: list[int]"),
+        ({"workers": [{**GOOD["workers"][0], "progress_age_s": [1]}]},
+         "workers[].progress_age_s: float or null"),
+        # Step records: every number a number (a null section time was an HTTP 500).
+        ({"steps": [{"generation": 3, "rank": 0, "items": [{"step": 9, "t_end": 1.0, "dur": 1.0,
+                                                            "sec": {"a": None}}]}]},
+         "step record.sec: a mapping section → seconds"),
+        ({"steps": [{"generation": 3, "rank": 0, "items": [{"step": 9, "t_end": 1.0, "dur": 1.0,
+                                                            "loss": "x"}]}]},
+         "step record.loss: a number or null"),
+        ({"steps": [{"generation": 3, "rank": 0, "items": [{"step": 9, "t_end": 1.0, "dur": 1.0,
+                                                            "tokens": "y"}]}]},
+         "step record.tokens: an integer or null"),
+        ({"events": [{"kind": "inject_fired", "inject": {"id": "x", "kind": 5}}]},
+         "events[].inject.id: int expected"),
     ],
-)
+)  # fmt: skip
 def test_a_malformed_field_is_named(change: dict[str, object], says: str) -> None:
     with pytest.raises(ProtocolError, match=None) as e:
         report_from_json({**GOOD, **change})
@@ -129,3 +147,17 @@ def test_fault_causes_are_an_enum_that_reads_as_its_wire_string() -> None:
     assert protocol.FaultCause.NODE_LOST == "node_lost"
     assert json.dumps({"cause": protocol.FaultCause.HANG}) == '{"cause": "hang"}'
     assert protocol.FaultCause("worker_crash") is protocol.FaultCause.WORKER_CRASH
+
+
+def test_the_report_body_refuses_values_no_store_holds() -> None:
+    """``protocol.loads`` is how the controller decodes a report body: NaN, infinities and
+    integers past 64 bits are refused there (they reached SQLite once: HTTP 500 until the job
+    failed)."""
+    for raw, says in (
+        (b'{"time": NaN}', "NaN is not a number"),
+        (b'{"time": -Infinity}', "-Infinity is not a number"),
+        (b'{"generation": 99999999999999999999}', "does not fit 64 bits"),
+    ):
+        with pytest.raises(ProtocolError, match=says):
+            protocol.loads(raw)
+    assert protocol.loads(b'{"a": [1, 2.5, -3e10, null]}') == {"a": [1, 2.5, -3e10, None]}

@@ -532,13 +532,16 @@ class Agent:
                 return
             try:
                 sender, msg = wire.decode_message(self._token, data)
-            except wire.WireAuthError:
-                log.warning("dropped an unauthenticated worker report")
+            except wire.WireAuthError as e:
+                log.warning("dropped an unauthenticated worker report: %s", e)
                 continue
             except ValueError as e:  # ProtocolError: signed, but not a message we take
                 log.warning("dropped a malformed worker report: %s", e)
                 continue
-            self._on_message(sender, msg)
+            try:
+                self._on_message(sender, msg)
+            except ValueError as e:  # ProtocolError: its content does not fit the report wire
+                log.warning("dropped a worker report from rank %d: %s", sender.rank, e)
 
     def _on_message(self, sender: Sender, msg: WorkerMessage) -> None:
         w = self.workers.get(sender.rank)

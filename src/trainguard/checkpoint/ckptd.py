@@ -35,7 +35,9 @@ from trainguard.checkpoint.ckptd_client import CkptdClient, address, socket_name
 __all__ = ["CheckpointError", "Ckptd", "CkptdClient", "socket_name", "spawn"]
 from trainguard.checkpoint.persister import Persister
 from trainguard.protocol import ckptd as wire
-from trainguard.protocol.common import ProtocolError
+from trainguard.protocol.common import ProtocolError, loads
+
+WAIT_DURABLE_MAX_S = 86_400.0  # the longest wait_durable a client may ask for (a day)
 
 log = logging.getLogger("trainguard.ckptd")
 
@@ -130,7 +132,7 @@ class Ckptd:
     def _answer(self, line: bytes) -> wire.Reply | wire.ErrorReply:
         """The reply to one request line: a refusal naming the problem if it is not one."""
         try:
-            req = wire.request_from_json(json.loads(line))
+            req = wire.request_from_json(loads(line))
         except ProtocolError as e:
             return wire.refused(e)
         except ValueError as e:  # not JSON
@@ -164,17 +166,29 @@ class Ckptd:
         problem = f"rank {rank} holds no snapshot of step {step}"
         return wire.VerifyReply(slot=None, ok=False, problem=problem)
 
+    def _own_slot(self, slot: str) -> Path:
+        """``slot`` if it names one of this job's and node's slots in ``shm_dir``; raises
+        CheckpointError otherwise (a request may name no other file)."""
+        path = Path(slot)
+        real = Path(os.path.realpath(path))
+        prefix = snapshot.slot_prefix(self.job, self.node)
+        if real.parent != Path(os.path.realpath(self.shm_dir)) or not real.name.startswith(prefix):
+            raise CheckpointError(f"{slot}: not a slot of this node's ({self.shm_dir}/{prefix}*)")
+        return path
+
     def _handle(self, req: wire.CkptdRequest) -> wire.Reply:
         """Carry out one request. Raises CheckpointError (or ValueError) for an error reply."""
         match req:
             case wire.Alloc(rank=rank, nbytes=nbytes):
+                if rank < 0 or nbytes < 0:
+                    raise CheckpointError(f"alloc: rank {rank} and nbytes {nbytes} must be >= 0")
                 paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
                 for p in paths:
                     snapshot.create_slot(p, nbytes)
                 return wire.AllocReply(slots=tuple(str(p) for p in paths))
             case wire.Staged():
                 self.persister.staged(
-                    req.rank, Path(req.slot), req.step, req.generation, req.durable
+                    req.rank, self._own_slot(req.slot), req.step, req.generation, req.durable
                 )
                 return wire.OkReply()
             case wire.Persist(step=step, generation=gen):
@@ -182,13 +196,17 @@ class Ckptd:
                 self._emit("ckpt_persist_held", step=step, ranks=ranks)
                 return wire.PersistReply(ranks=tuple(ranks))
             case wire.WaitDurable(step=step, timeout_s=timeout_s):
+                if not 0 <= timeout_s <= WAIT_DURABLE_MAX_S:
+                    raise CheckpointError(
+                        f"wait_durable: timeout_s {timeout_s} must be 0..{WAIT_DURABLE_MAX_S:g}"
+                    )
                 durable = self.persister.wait_durable(step, float(timeout_s))
                 failed = None if durable else self.persister.failure(step)
                 return wire.WaitDurableReply(durable=durable, failed=failed)
             case wire.Verify():
                 return self._verify_once(req)
             case wire.Forget(slot=slot):
-                self.persister.forget(Path(slot))
+                self.persister.forget(self._own_slot(slot))
                 return wire.OkReply()
             case wire.Status(rescan=rescan):
                 return self._status(rescan)

@@ -512,9 +512,14 @@ previous step whole while the next is copied, so a stop or crash costs the snaps
 not every step since the durable one (seen: 9 steps in CI). Memory: 3 x the rank's state."""
 
 
+def slot_prefix(job: str, node: str) -> str:
+    """What every slot name of ``job``'s ``node`` starts with."""
+    return f"trainguard-{job}-{node}-r"
+
+
 def slot_paths(shm_dir: Path, job: str, node: str, rank: int) -> tuple[Path, ...]:
     """The ``SLOTS`` slots of one rank, in a fixed order (see ``SLOTS``)."""
-    base = f"trainguard-{job}-{node}-r{rank}"
+    base = f"{slot_prefix(job, node)}{rank}"
     return tuple(shm_dir / f"{base}-s{i}" for i in range(SLOTS))
 
 

@@ -41,6 +41,9 @@ def split_host_port(addr: str) -> tuple[str, str]:
     return host.removeprefix("[").removesuffix("]"), port
 
 
+MAX_NODES = 1 << 20  # far past any job's size; keeps the scaled heartbeat finite and sane
+
+
 def scaled_timing(nodes: int) -> tuple[float, float]:
     """(heartbeat_s, node_timeout_s) for a job of ``nodes`` agents, used unless the config
     sets them: the heartbeat keeps the controller's report rate at about ``REPORTS_PER_S``
@@ -127,9 +130,17 @@ class TimeoutsConfig:
             "exit_grace_s",
             "wait_for_nodes_timeout_s",
         ):
-            _need(getattr(self, name) > 0, f"{name}={getattr(self, name)}: must be > 0")
+            v = getattr(self, name)
+            _need(v > 0 and math.isfinite(v), f"{name}={v}: must be a finite number of seconds > 0")
+        for name in ("join_timeout_s", "stop_grace_s", "fault_stop_grace_s"):
+            v = getattr(self, name)
+            _need(
+                v >= 0 and math.isfinite(v), f"{name}={v}: must be a finite number of seconds >= 0"
+            )
         _need(
-            self.node_timeout_s > 2 * self.heartbeat_s, "node_timeout_s must exceed 2 × heartbeat_s"
+            self.node_timeout_s > 2 * self.heartbeat_s,
+            f"node_timeout_s must exceed 2 × heartbeat_s (they are {self.node_timeout_s:g} and "
+            f"{self.heartbeat_s:g}): raise node_timeout_s or lower heartbeat_s",
         )
 
 
@@ -183,6 +194,11 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _need(self.replica_copies >= 1, f"replica_copies={self.replica_copies}: must be >= 1")
+        _need(
+            self.keep_checkpoints >= 1,
+            f"keep_checkpoints={self.keep_checkpoints}: must be >= 1 (the newest durable step "
+            "is always kept)",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -408,6 +424,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _need(self.nodes >= 1, f"--nodes {self.nodes}: a job needs at least 1 node")
+        _need(self.nodes <= MAX_NODES, f"--nodes {self.nodes}: at most {MAX_NODES:,} nodes")
         _need(
             self.launch in _choices(Launch),
             f"launch = {self.launch!r}: use script, module (-m) or exec (--no-python)",

@@ -146,7 +146,7 @@ class HttpApi:
         coalesced tick (``_tick_loop``), so a report costs work proportional to itself, not
         to the job; a desired state the next tick changes reaches the agent by its long poll."""
         try:
-            report = protocol.report_from_json(await request.json())
+            report = protocol.report_from_json(await request.json(loads=protocol.loads))
         except ValueError as e:  # bad JSON (json.JSONDecodeError) or a ProtocolError
             log.warning("refused a malformed report from %s: %s", request.remote, e)
             return web.json_response({"error": f"malformed report: {e}"}, status=400)

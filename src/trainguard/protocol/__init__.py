@@ -22,6 +22,7 @@ from trainguard.protocol.common import (
     FaultCause,
     ProtocolError,
     WorkerState,
+    loads,
 )
 from trainguard.protocol.desired import (
     Check,
@@ -84,6 +85,7 @@ __all__ = [
     "StepRecord",
     "Stop",
     "WorkerState",
+    "loads",
     "desired_from_json",
     "desired_to_json",
 ]

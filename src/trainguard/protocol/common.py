@@ -4,6 +4,9 @@ that travel in messages (worker states, fault causes)."""
 from __future__ import annotations
 
 import enum
+import json
+import math
+from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_REPORT_BYTES = 16 << 20  # a report with a long backlog of step records after an outage
@@ -28,6 +31,36 @@ class ProtocolError(ValueError):
 def _need(ok: bool, what: str) -> None:
     if not ok:
         raise ProtocolError(what)
+
+
+INT64 = 1 << 63  # integers on every wire fit a signed 64-bit integer (SQLite's, C's)
+
+
+def _strict_int(text: str) -> int:
+    v = int(text)
+    if not -INT64 <= v < INT64:
+        raise ProtocolError(f"integer {text[:30]}… does not fit 64 bits")
+    return v
+
+
+def _strict_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ProtocolError(f"number {text[:30]} is not finite")
+    return v
+
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolError(f"{name} is not a number a message may carry")
+
+
+def loads(text: str | bytes) -> Any:
+    """JSON as every wire takes it: ``json.loads`` that refuses ``NaN``/``Infinity``, floats
+    that overflow to infinity and integers outside 64 bits (ProtocolError), so that no
+    message carries a value a comparison, a deadline or the store cannot hold."""
+    return json.loads(
+        text, parse_int=_strict_int, parse_float=_strict_float, parse_constant=_no_constant
+    )
 
 
 class FaultCause(enum.StrEnum):

@@ -60,6 +60,18 @@ def inject_from_json(body: Any, where: str) -> InjectSpec:
     if not isinstance(body, dict):
         raise ProtocolError(f"{where}: an inject spec object")
     try:
-        return InjectSpec.from_json(body)
+        spec = InjectSpec.from_json(body)
     except TypeError as e:  # a missing or unknown field
         raise ProtocolError(f"{where}: {e}") from None
+    hints = {"id": int, "kind": str, "rank": int, "node": int, "step": int, "code": int,
+             "factor": float, "after": float, "bit": int, "target": str}  # fmt: skip
+    for f in dataclasses.fields(spec):
+        v, want = getattr(spec, f.name), hints[f.name]
+        ok = (v is None and f.default is None) or (
+            isinstance(v, want) and not isinstance(v, bool)
+            if want is not float
+            else type(v) in (int, float)
+        )
+        if not ok:
+            raise ProtocolError(f"{where}.{f.name}: {want.__name__} expected, got {v!r:.40}")
+    return spec

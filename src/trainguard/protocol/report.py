@@ -122,10 +122,33 @@ class WorkerReport:
               f"{', '.join(WorkerState)}, got {w.get('state')!r}")  # fmt: skip
         _need(type(w.get("local_rank")) is int and type(w.get("pid")) is int,
               "workers[].local_rank and .pid: integers")  # fmt: skip
+        for k, v in w.items():
+            kind = _WORKER_FIELDS.get(k)
+            if kind is not None:
+                _need(_fits(v, kind), f"workers[].{k}: {kind.replace(' | None', ' or null')}")
         return cls(**{k: v for k, v in w.items() if k in _WORKER_FIELDS})
 
 
-_WORKER_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerReport))
+# field → its annotation as written ("int | None", "list[int] | None", …): what _fits checks
+_WORKER_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(WorkerReport)}
+
+
+def _fits(v: Any, kind: str) -> bool:
+    """Does the JSON value ``v`` fit the annotation ``kind`` (a WorkerReport field's)?"""
+    if v is None:
+        return kind.endswith("| None")
+    base = kind.removesuffix(" | None")
+    if base == "bool":
+        return type(v) is bool
+    if base == "int":
+        return type(v) is int
+    if base == "float":
+        return type(v) in (int, float)
+    if base == "str":
+        return isinstance(v, str)
+    if base == "list[int]":
+        return isinstance(v, list) and all(type(x) is int for x in v)
+    return True  # a type this check does not spell: the receiver reads it as it is
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -487,7 +510,17 @@ class StepRecord:
         for key in ("t_end", "dur"):
             _need(type(body.get(key)) in (int, float), f"step record.{key}: a number")
         sec = body.get("sec") or {}
-        _need(isinstance(sec, dict), "step record.sec: a mapping section → seconds")
+        _need(
+            isinstance(sec, dict) and all(type(x) in (int, float) for x in sec.values()),
+            "step record.sec: a mapping section → seconds",
+        )
+        for key in ("loss", "gn", "tc", "gap"):
+            x = body.get(key)
+            _need(x is None or type(x) in (int, float), f"step record.{key}: a number or null")
+        _need(
+            body.get("tokens") is None or type(body.get("tokens")) is int,
+            "step record.tokens: an integer or null",
+        )
         return cls(
             step=body["step"],
             t_end=float(body["t_end"]),

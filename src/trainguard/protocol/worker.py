@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any
 
 from trainguard.protocol.common import PROTOCOL_VERSION, ProtocolError, _need
+from trainguard.protocol.inject import inject_from_json
 from trainguard.protocol.report import StepRecord
 
 MAX_BATCH = 1024  # messages in one batch (the runtime sends 64 at most)
@@ -163,10 +164,8 @@ class WorkerEvent:
         if kind == "inject_fired":
             inject = data.get("inject")
             _need(_int(data.get("step")), "event inject_fired.step: an integer")
-            _need(
-                isinstance(inject, dict) and isinstance(inject.get("kind"), str),
-                "event inject_fired.inject: a drill (an object with a kind)",
-            )
+            _need(isinstance(inject, dict), "event inject_fired.inject: a drill (an object)")
+            inject_from_json(inject, "event inject_fired.inject")  # as the report wire reads it
         return cls(kind=kind, ts=float(ts), data=data)
 
 

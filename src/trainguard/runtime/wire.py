@@ -15,6 +15,7 @@ import hmac
 import json
 from typing import Any
 
+from trainguard.protocol.common import ProtocolError, loads
 from trainguard.protocol.worker import Sender, WorkerMessage, message_from_json, message_to_json
 
 MAX_DATAGRAM_BYTES = 60_000
@@ -42,9 +43,9 @@ def decode(token: bytes, data: bytes) -> dict[str, Any]:
     want = hmac.new(token, body, hashlib.sha256).hexdigest().encode()
     if not hmac.compare_digest(mac, want):
         raise WireAuthError("datagram signature does not match the job token")
-    message = json.loads(body)
+    message = loads(body)
     if not isinstance(message, dict):
-        raise WireAuthError("datagram body is not a JSON object")
+        raise ProtocolError("datagram body is not a JSON object")
     return message
 
 
