@@ -283,20 +283,30 @@ def test_a_drill_the_report_wire_would_refuse_is_refused_on_receipt(body: Any, s
 @pytest.mark.parametrize(
     ("raw", "says"),
     [
-        (b'{"t": "event", "kind": "x", "ts": NaN}', "NaN is not a number a message may carry"),
-        (b'{"t": "event", "kind": "x", "ts": 1e400}', "number 1e400 is not finite"),
+        (b'{"t": "event", "kind": "x", "ts": NaN}', "event x.ts: seconds since the epoch"),
+        (b'{"t": "event", "kind": "x", "ts": 1e400}', "event x.ts: seconds since the epoch"),
         (b'{"t": "event", "kind": "x", "ts": 1.0, "step": 1000000000000000000000000000000}',
          "does not fit 64 bits"),
-        (b'{"t": "hb", "ts": Infinity}', "Infinity is not a number a message may carry"),
+        (b'{"t": "hb", "ts": Infinity}', "hb.ts: seconds since the epoch"),
     ],
 )  # fmt: skip
 def test_no_datagram_carries_a_value_the_store_or_a_deadline_cannot_hold(
     raw: bytes, says: str
 ) -> None:
-    """NaN, infinities and integers past 64 bits are refused at decoding, on every wire: one
-    such event once made every report of its node fail in the controller's store (HTTP 500)
-    until the job failed."""
+    """A time that is NaN or infinite, and an integer past 64 bits (refused at decoding, on
+    every wire), never reach the store: one such event once made every report of its node
+    fail there (HTTP 500) until the job failed. A NaN loss is a value, not an error."""
     body = raw[:-1] + b', "v": 1, "rank": 0, "pid": 4242, "gen": 0}'
     with pytest.raises(ProtocolError, match=re.escape(says)):
         wire.decode_message(TOKEN, hmac.new(TOKEN, body, hashlib.sha256).hexdigest().encode()
                             + b"\n" + body)  # fmt: skip
+
+
+def test_a_nan_loss_or_infinite_gradient_norm_travels_the_datagram() -> None:
+    """What the anomaly and SDC checks look for must reach them."""
+    body = (b'{"t": "step", "step": 5, "t_end": 1.0, "dur": 0.5, "loss": NaN, "gn": Infinity, '
+            b'"v": 1, "rank": 0, "pid": 4242, "gen": 0}')  # fmt: skip
+    _, msg = wire.decode_message(TOKEN, hmac.new(TOKEN, body, hashlib.sha256).hexdigest().encode()
+                                 + b"\n" + body)  # fmt: skip
+    assert isinstance(msg, ww.StepEnd) and msg.record.grad_norm == float("inf")
+    assert msg.record.loss != msg.record.loss  # NaN

@@ -24,6 +24,7 @@ from trainguard.protocol.common import (
     ProtocolError,
     WorkerState,
     _need,
+    finite,
 )
 from trainguard.protocol.inject import InjectSpec, inject_from_json
 
@@ -83,7 +84,7 @@ def _points_json(points: dict[int, list[tuple[int, ...]]]) -> dict[str, list[lis
 
 def _time(body: dict[str, Any], key: str) -> float | None:
     t = body.get(key)
-    _need(t is None or type(t) in (int, float), f"{key}: seconds since the epoch")
+    _need(t is None or finite(t), f"{key}: seconds since the epoch")
     return t
 
 
@@ -183,7 +184,7 @@ class ReportEvent:
         # as it came, and one the controller cannot act on is only recorded).
         ints = {k: fields.get(k) for k in ("generation", "rank", "step", "point_generation")}
         ints = {k: v if type(v) is int else None for k, v in ints.items()}
-        ts = e.get("ts") if type(e.get("ts")) in (int, float) else None
+        ts = e.get("ts") if finite(e.get("ts")) else None
         inj = fields.get("inject")
         inject = inject_from_json(inj, "events[].inject") if isinstance(inj, dict) else None
         return cls(kind=e["kind"], ts=ts, fields=fields, inject=inject, **ints)
@@ -508,7 +509,7 @@ class StepRecord:
         _need(isinstance(body, dict), "step record: a JSON object")
         _need(type(body.get("step")) is int, "step record.step: an integer")
         for key in ("t_end", "dur"):
-            _need(type(body.get(key)) in (int, float), f"step record.{key}: a number")
+            _need(finite(body.get(key)), f"step record.{key}: a finite number")
         sec = body.get("sec") or {}
         _need(
             isinstance(sec, dict) and all(type(x) in (int, float) for x in sec.values()),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainguard.protocol.common import PROTOCOL_VERSION, ProtocolError, _need
+from trainguard.protocol.common import PROTOCOL_VERSION, ProtocolError, _need, finite
 from trainguard.protocol.inject import inject_from_json
 from trainguard.protocol.report import StepRecord
 
@@ -35,7 +35,7 @@ def _int(v: Any) -> bool:
 
 
 def _num(v: Any) -> bool:
-    return type(v) in (int, float)
+    return finite(v)  # every number this wire checks is a time or a count
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,7 +112,8 @@ class StepEnd:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> StepEnd:
         for key in ("loss", "tokens", "gn", "tc", "gap"):
-            _need(body.get(key) is None or _num(body.get(key)), f"step.{key}: a number or null")
+            v = body.get(key)  # a loss or gradient norm may be NaN or infinite: the checks' cue
+            _need(v is None or type(v) in (int, float), f"step.{key}: a number or null")
         try:
             return cls(StepRecord.from_json(body))
         except (TypeError, ValueError) as e:  # ProtocolError, or a section's seconds not a number
