@@ -36,7 +36,9 @@ def encode(token: bytes, message: dict[str, Any]) -> bytes:
 
 
 def decode(token: bytes, data: bytes) -> dict[str, Any]:
-    """Verify and parse a datagram. Raises WireAuthError on a bad or missing HMAC."""
+    """Verify and parse a datagram. Raises WireAuthError on a bad or missing HMAC, then
+    ProtocolError (a ValueError) for a body that is not a JSON object or holds an integer past
+    64 bits (``protocol.loads``)."""
     mac, sep, body = data.partition(b"\n")
     if not sep:
         raise WireAuthError("datagram without a signature")
