@@ -1,5 +1,23 @@
 """Recovery time of trainguard vs ``torchrun --max-restarts``, same job, same fault, one run.
 
+Modes (``--mode``):
+
+- ``inprocess`` (the default): world 4 (2 simulated nodes x 2 ranks), three sides per repeat:
+  trainguard with in-process recovery (the example runs under ``trainguard.run``: the three
+  survivors keep their processes, only rank 1 is new), trainguard's restart path (the same
+  job with ``inprocess = false``: every rank a new process), and torchrun (4 ranks). Prints
+  ``trainguard_s``, ``torchrun_s``, ``ratio``, ``restart_path_s``, ``survivors_kept`` (every
+  survivor's pid unchanged, in every repeat) and ``trainguard_phases_s``. Targets: ratio <=
+  0.25 and trainguard_s < 1.0 s (median, idle machine).
+- ``restart``: world 2 (2 nodes x 1 rank), trainguard's restart path against torchrun (the
+  benchmark as it was before in-process recovery; target ratio <= 0.5, trainguard_s < 5 s).
+
+``--worlds 2,4,8,16`` adds ``scaling``: in-process recovery and torchrun at each world size
+(2 ranks a simulated node), target: the time at 16 ranks <= 1.5x the time at 2.
+``--smoke``: the smallest model, one repeat, an early fault (the CI test of this file).
+Pre-flight checks are off for every trainguard launch (they run before training, not in a
+recovery).
+
 What is measured: seconds from the fault (a worker SIGKILLed at the end of a step)
 to the end of the first resumed step on all ranks, i.e. detect + stop + restart +
 reload the checkpoint + redo one step. Both sides train the GPT of ``examples/gpt``
@@ -74,10 +92,15 @@ EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 BASELINE = Path(__file__).resolve().parent / "torchrun_train.py"
 MARKER_ENV = "TRAINGUARD_BENCH_MARKER"
 FOREIGN_CPU_WARN = 0.05  # warn when other processes used this share of the CPUs during a launch
-TARGET_RATIO = 0.5
-TARGET_TRAINGUARD_S = 5.0
+TARGETS = {  # mode → (ratio_max, trainguard_s_max)
+    "inprocess": (0.25, 1.0),
+    "restart": (0.5, 5.0),
+}
+TARGET_SCALING = 1.5  # in-process recovery at 16 ranks vs at 2
 KILL_RANK = 1
-WORLD = 2
+SMOKE = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+         "--batch-size", "4", "--kill-step", "6", "--repeats", "1"]  # fmt: skip
+TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32, "batch_size": 4}
 
 
 class BenchError(RuntimeError):
@@ -109,7 +132,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check", action="store_true", help="exit 1 when the target is not met")
+    p.add_argument("--mode", choices=sorted(TARGETS), default="inprocess")
+    p.add_argument(
+        "--worlds", default="", help="comma-separated world sizes for the scaling (tiny model)"
+    )
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, one repeat (CI)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--smoke" in argv:
+        argv = [*SMOKE, *argv]
     args = p.parse_args(argv)
+    args.nodes, args.nproc = (2, 2) if args.mode == "inprocess" else (2, 1)
+    try:
+        args.world_list = [int(w) for w in args.worlds.split(",") if w.strip()]
+    except ValueError:
+        p.error(f"--worlds {args.worlds!r}: comma-separated even integers, e.g. 2,4,8,16")
+    if any(w < 2 or w % 2 for w in args.world_list):
+        p.error(f"--worlds {args.worlds}: each world size even and >= 2 (2 ranks a node)")
     if args.steps is None:
         args.steps = args.kill_step + 1
     if args.kill_step < 2 or args.steps <= args.kill_step:
@@ -248,44 +286,43 @@ def _dir_bytes(path: Path) -> int:
 
 
 # ---------------------------------------------------------------------- the two sides
-def _model_flags(args: argparse.Namespace) -> list[str]:
+def _model_flags(args: argparse.Namespace, model: dict[str, int] | None = None) -> list[str]:
+    m = {k: getattr(args, k) for k in TINY} | (model or {})
     return [
-        "--steps",
-        str(args.steps),
-        "--ckpt-every",
-        "1",
-        "--n-layer",
-        str(args.n_layer),
-        "--n-head",
-        str(args.n_head),
-        "--n-embd",
-        str(args.n_embd),
-        "--block-size",
-        str(args.block_size),
-        "--batch-size",
-        str(args.batch_size),
-    ]
+        "--steps", str(args.steps), "--ckpt-every", "1",
+        "--n-layer", str(m["n_layer"]), "--n-head", str(m["n_head"]),
+        "--n-embd", str(m["n_embd"]), "--block-size", str(m["block_size"]),
+        "--batch-size", str(m["batch_size"]),
+    ]  # fmt: skip
 
 
-def run_trainguard(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+class Side:
+    """One launch's shape: ``nodes`` x ``nproc`` ranks, in-process recovery on or off, the
+    model (``TINY``'s keys, default: the command line's)."""
+
+    def __init__(
+        self, nodes: int, nproc: int, *, inprocess: bool, model: dict[str, int] | None = None
+    ) -> None:
+        self.nodes, self.nproc, self.inprocess, self.model = nodes, nproc, inprocess, model
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.nproc
+
+
+def run_trainguard(
+    args: argparse.Namespace, work: Path, env: dict[str, str], side: Side
+) -> dict[str, Any]:
     run_dir = work / "run"
     log = work / "launcher.log"
+    config = work / "job.toml"
+    config.write_text(f'preflight = "off"\ninprocess = {str(side.inprocess).lower()}\n')
     cmd = [
-        sys.executable,
-        "-m",
-        "trainguard",
-        "run",
-        "--nodes",
-        str(WORLD),
-        "--nproc-per-node",
-        "1",
-        "--run-dir",
-        str(run_dir),
-        "--inject",
-        f"kill:rank={KILL_RANK}:step={args.kill_step}",
-        str(EXAMPLE),
-        *_model_flags(args),
-    ]
+        sys.executable, "-m", "trainguard", "run", "--config", str(config),
+        "--nodes", str(side.nodes), "--nproc-per-node", str(side.nproc),
+        "--run-dir", str(run_dir), "--inject", f"kill:rank={KILL_RANK}:step={args.kill_step}",
+        str(EXAMPLE), *_model_flags(args, side.model),
+    ]  # fmt: skip
     rc = _run(cmd, env=env, log=log, timeout=args.timeout)
     if rc != 0:
         ranks = "".join(
@@ -351,7 +388,17 @@ def run_trainguard(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
         (d for d in (run_dir / "checkpoints").glob("step_*") if d.is_dir()),
         key=lambda d: int(d.name.removeprefix("step_")),
     )
+    first = {e["rank"]: e["pid"] for e in events
+             if e["kind"] == "worker_started" and e["generation"] == 0}  # fmt: skip
+    survivors = {str(r): pid for r, pid in first.items() if r != KILL_RANK}
+    if side.inprocess and (rec.get("mode") != "inprocess" or rec.get("kept") != survivors):
+        raise BenchError(
+            f"trainguard: expected an in-process recovery keeping {survivors}, got mode "
+            f"{rec.get('mode')} kept {rec.get('kept')} ({rec.get('mode_reason')})"
+        )
     return {
+        "mode": rec.get("mode"),
+        "survivors_kept": rec.get("kept") == survivors,
         "seconds": t_first - t_fault,
         "report_total_s": float(rec["phases_s"]["total"]),
         "exit_seen_s": float(done[0]["fault"]["t_fault"]) - t_fault,
@@ -361,7 +408,9 @@ def run_trainguard(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
     }
 
 
-def run_torchrun(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_torchrun(
+    args: argparse.Namespace, work: Path, env: dict[str, str], side: Side
+) -> dict[str, Any]:
     ckpt, timing, logs = work / "ckpt", work / "timing", work / "logs"
     for d in (timing, logs):
         d.mkdir(parents=True)
@@ -374,7 +423,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, env: dict[str, str]) -> d
         "--nnodes",
         "1",
         "--nproc-per-node",
-        str(WORLD),
+        str(side.world),
         "--max-restarts",
         "1",
         "--monitor-interval",
@@ -382,7 +431,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, env: dict[str, str]) -> d
         "--log-dir",
         str(logs),
         str(BASELINE),
-        *_model_flags(args),
+        *_model_flags(args, side.model),
         "--ckpt-dir",
         str(ckpt),
         "--timing-dir",
@@ -401,7 +450,7 @@ def run_torchrun(args: argparse.Namespace, work: Path, env: dict[str, str]) -> d
         raise BenchError(f"torchrun exited {rc}:\n{_tail(log)}")
     try:
         fault = json.loads((timing / "fault").read_text())
-        firsts = [json.loads((timing / f"first_step.{r}").read_text()) for r in range(WORLD)]
+        firsts = [json.loads((timing / f"first_step.{r}").read_text()) for r in range(side.world)]
     except (OSError, ValueError) as e:
         raise BenchError(f"torchrun: missing timing files ({e}):\n{_tail(log)}") from None
     for f in firsts:
@@ -414,12 +463,65 @@ def run_torchrun(args: argparse.Namespace, work: Path, env: dict[str, str]) -> d
 
 
 # ---------------------------------------------------------------------- main
+Launch = tuple[Any, Side]  # (run_trainguard or run_torchrun, its shape)
+
+
+def _repeats(
+    args: argparse.Namespace,
+    root: Path,
+    env: dict[str, str],
+    marker: str,
+    sides: dict[str, Launch],
+    repeats: int,
+) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Each side ``repeats`` times, the order rotating each repeat; (side → its runs, the
+    leftover processes killed)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    leaked = 0
+    names = list(sides)
+    for i in range(repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            fn, side = sides[name]
+            work = root / f"{name}.{i}"
+            work.mkdir(parents=True)
+            t0 = time.monotonic()
+            with ForeignCpu(marker) as other:
+                res = fn(args, work, env, side)
+            res["launch_wall_s"] = time.monotonic() - t0
+            res["foreign_cpu_share"] = other.seconds / (
+                res["launch_wall_s"] * (os.cpu_count() or 1)
+            )
+            runs[name].append(res)
+            leaked += _sweep(marker)
+            if not args.json:
+                print(
+                    f"  repeat {i + 1}/{repeats} {name:<14} {res['seconds']:6.2f} s  (launch "
+                    f"{res['launch_wall_s']:.1f} s, other processes "
+                    f"{res['foreign_cpu_share']:.0%} of CPU)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return runs, leaked
+
+
+def _median(runs: list[dict[str, Any]], key: str = "seconds") -> float:
+    return statistics.median(float(r[key]) for r in runs)
+
+
+def _phases(runs: list[dict[str, Any]]) -> dict[str, float]:
+    return {p: statistics.median(float(r["phases_s"][p] or 0.0) for r in runs) for p in PHASES}
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     marker = uuid.uuid4().hex
     load_before = os.getloadavg()[0]
-    tg_runs: list[dict[str, Any]] = []
-    tr_runs: list[dict[str, Any]] = []
-    leaked = 0
+    inproc = args.mode == "inprocess"
+    sides: dict[str, Launch] = {
+        "trainguard": (run_trainguard, Side(args.nodes, args.nproc, inprocess=inproc)),
+        "torchrun": (run_torchrun, Side(args.nodes, args.nproc, inprocess=False)),
+    }
+    if inproc:
+        sides["restart_path"] = (run_trainguard, Side(args.nodes, args.nproc, inprocess=False))
     with tempfile.TemporaryDirectory(prefix="trainguard-bench-") as tmp:
         root = Path(tmp)
         (root / "tmp").mkdir()
@@ -428,104 +530,112 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p
         )
         try:
-            for i in range(args.repeats):
-                sides = [("trainguard", run_trainguard), ("torchrun", run_torchrun)]
-                if i % 2:
-                    sides.reverse()
-                for name, fn in sides:
-                    work = root / f"{name}.{i}"
-                    work.mkdir()
-                    t0 = time.monotonic()
-                    with ForeignCpu(marker) as other:
-                        res = fn(args, work, env)
-                    res["launch_wall_s"] = time.monotonic() - t0
-                    res["foreign_cpu_share"] = other.seconds / (
-                        res["launch_wall_s"] * (os.cpu_count() or 1)
-                    )
-                    (tg_runs if name == "trainguard" else tr_runs).append(res)
-                    leaked += _sweep(marker)
-                    if not args.json:
-                        print(
-                            f"  repeat {i + 1}/{args.repeats} {name:<10} "
-                            f"{res['seconds']:6.2f} s  (launch {res['launch_wall_s']:.1f} s, "
-                            f"other processes {res['foreign_cpu_share']:.0%} of CPU)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+            runs, leaked = _repeats(args, root, env, marker, sides, args.repeats)
+            scaling = []
+            for world in args.world_list:
+                at = {
+                    "trainguard": (run_trainguard, Side(world // 2, 2, inprocess=True, model=TINY)),
+                    "torchrun": (run_torchrun, Side(world // 2, 2, inprocess=False, model=TINY)),
+                }
+                w_runs, w_leaked = _repeats(args, root / f"w{world}", env, marker, at, 1)
+                leaked += w_leaked
+                scaling.append({"world": world, **{k: v[0]["seconds"] for k, v in w_runs.items()}})
         finally:
             leaked += _sweep(marker)
-    tg_s = statistics.median(r["seconds"] for r in tg_runs)
-    tr_s = statistics.median(r["seconds"] for r in tr_runs)
-    phases = {p: statistics.median(float(r["phases_s"][p] or 0.0) for r in tg_runs) for p in PHASES}
+    tg, tr = runs["trainguard"], runs["torchrun"]
+    tg_s, tr_s = _median(tg), _median(tr)
     ratio = tg_s / tr_s if tr_s > 0 else float("inf")
-    return {
+    ratio_max, tg_max = TARGETS[args.mode]
+    out: dict[str, Any] = {
+        "mode": args.mode,
         "trainguard_s": tg_s,
         "torchrun_s": tr_s,
         "ratio": ratio,
-        "target_met": ratio <= TARGET_RATIO and tg_s < TARGET_TRAINGUARD_S,
-        "target": {"ratio_max": TARGET_RATIO, "trainguard_s_max": TARGET_TRAINGUARD_S},
-        "trainguard_runs_s": [r["seconds"] for r in tg_runs],
-        "torchrun_runs_s": [r["seconds"] for r in tr_runs],
-        "foreign_cpu_share": {
-            "trainguard": [r["foreign_cpu_share"] for r in tg_runs],
-            "torchrun": [r["foreign_cpu_share"] for r in tr_runs],
-        },
-        "trainguard_report_total_s": statistics.median(r["report_total_s"] for r in tg_runs),
-        "trainguard_exit_seen_s": statistics.median(r["exit_seen_s"] for r in tg_runs),
-        "trainguard_phases_s": phases,
-        "trainguard_runs_phases_s": [r["phases_s"] for r in tg_runs],
+        "target_met": ratio <= ratio_max and tg_s < tg_max,
+        "target": {"ratio_max": ratio_max, "trainguard_s_max": tg_max},
+        "trainguard_runs_s": [r["seconds"] for r in tg],
+        "torchrun_runs_s": [r["seconds"] for r in tr],
+        "trainguard_phases_s": _phases(tg),
+        "trainguard_runs_phases_s": [r["phases_s"] for r in tg],
+        "trainguard_report_total_s": _median(tg, "report_total_s"),
+        "trainguard_exit_seen_s": _median(tg, "exit_seen_s"),
+        "foreign_cpu_share": {k: [r["foreign_cpu_share"] for r in v] for k, v in runs.items()},
         "state_bytes": {
-            "trainguard_dcp": tg_runs[-1]["state_bytes"],
-            "torchrun_torch_save": tr_runs[-1]["state_bytes"],
-        },
+            "trainguard_dcp": tg[-1]["state_bytes"],
+            "torchrun_torch_save": tr[-1]["state_bytes"],
+        },  # fmt: skip
         "leaked_processes_killed": leaked,
         "trainguard_anomalies": [
-            {"run": i + 1, **a} for i, r in enumerate(tg_runs) for a in r["anomalies"]
+            {"run": i + 1, **a} for i, r in enumerate(tg) for a in r["anomalies"]
         ],
-        "config": {
-            "world_size": WORLD,
-            "n_layer": args.n_layer,
-            "n_head": args.n_head,
-            "n_embd": args.n_embd,
-            "block_size": args.block_size,
-            "batch_size": args.batch_size,
-            "steps": args.steps,
-            "kill_rank": KILL_RANK,
-            "kill_step": args.kill_step,
-            "ckpt_every": 1,
-            "repeats": args.repeats,
-            "torchrun_monitor_interval_s": args.monitor_interval,
-            "cpus": os.cpu_count(),
-            "loadavg_1min_before": load_before,
-        },
     }
+    if inproc:
+        rp = runs["restart_path"]
+        out |= {
+            "survivors_kept": all(r["survivors_kept"] for r in tg),
+            "restart_path_s": _median(rp),
+            "restart_path_runs_s": [r["seconds"] for r in rp],
+            "restart_path_phases_s": _phases(rp),
+            "inprocess_vs_restart_path": tg_s / _median(rp),
+        }
+    if scaling:
+        by = {x["world"]: x["trainguard"] for x in scaling}
+        lo, hi = min(by), max(by)
+        out["scaling"] = [
+            {"world": x["world"], "trainguard_s": x["trainguard"], "torchrun_s": x["torchrun"]}
+            for x in scaling
+        ]
+        out["scaling_ratio"] = {"worlds": [lo, hi], "ratio": by[hi] / by[lo],
+                                "target_max": TARGET_SCALING}  # fmt: skip
+        out["target_met"] = out["target_met"] and by[hi] / by[lo] <= TARGET_SCALING
+    out["config"] = {
+        "nodes": args.nodes, "nproc_per_node": args.nproc, "world_size": args.nodes * args.nproc,
+        **{k: getattr(args, k) for k in TINY}, "steps": args.steps, "kill_rank": KILL_RANK,
+        "kill_step": args.kill_step, "ckpt_every": 1, "repeats": args.repeats,
+        "torchrun_monitor_interval_s": args.monitor_interval, "cpus": os.cpu_count(),
+        "loadavg_1min_before": load_before, "worlds": args.world_list,
+    }  # fmt: skip
+    return out
 
 
 def print_table(r: dict[str, Any]) -> None:
     c = r["config"]
     mb = {k: v / 1e6 for k, v in r["state_bytes"].items()}
     print(
-        f"recovery: GPT n_layer={c['n_layer']} n_embd={c['n_embd']} batch={c['batch_size']}x"
-        f"{c['block_size']}, world {c['world_size']}, rank {c['kill_rank']} SIGKILLed at step "
-        f"{c['kill_step']}, checkpoint every step; state {mb['trainguard_dcp']:.1f} MB (DCP) / "
-        f"{mb['torchrun_torch_save']:.1f} MB (torch.save); {c['cpus']} CPUs"
+        f"recovery ({r['mode']}): GPT n_layer={c['n_layer']} n_embd={c['n_embd']} batch="
+        f"{c['batch_size']}x{c['block_size']}, {c['nodes']} nodes x {c['nproc_per_node']} ranks, "
+        f"rank {c['kill_rank']} SIGKILLed at step {c['kill_step']}, checkpoint every step; "
+        f"state {mb['trainguard_dcp']:.1f} MB (DCP) / {mb['torchrun_torch_save']:.1f} MB "
+        f"(torch.save); {c['cpus']} CPUs, 1-min load before {c['loadavg_1min_before']:.2f}"
     )
     print("fault -> end of first resumed step on all ranks, seconds")
-    print(f"{'run':>6}  {'trainguard':>10}  {'torchrun':>8}  {'ratio':>6}")
+    rp = r.get("restart_path_runs_s")
+    print(f"{'run':>6}  {'trainguard':>10}  {'torchrun':>8}  {'ratio':>6}"
+          + (f"  {'restart path':>12}" if rp else ""))  # fmt: skip
     for i, (a, b) in enumerate(zip(r["trainguard_runs_s"], r["torchrun_runs_s"], strict=True)):
-        print(f"{i + 1:>6}  {a:>10.2f}  {b:>8.2f}  {a / b:>6.2f}")
-    print(f"{'median':>6}  {r['trainguard_s']:>10.2f}  {r['torchrun_s']:>8.2f}  {r['ratio']:>6.2f}")
+        extra = f"  {rp[i]:>12.2f}" if rp else ""
+        print(f"{i + 1:>6}  {a:>10.2f}  {b:>8.2f}  {a / b:>6.2f}{extra}")
+    extra = f"  {r['restart_path_s']:>12.2f}" if rp else ""
+    print(f"{'median':>6}  {r['trainguard_s']:>10.2f}  {r['torchrun_s']:>8.2f}  "
+          f"{r['ratio']:>6.2f}{extra}")  # fmt: skip
+    if rp:
+        print(f"survivors kept their processes in every repeat: {r['survivors_kept']}")
     ph = r["trainguard_phases_s"]
     print(
         "trainguard phases (median s): kill->exit seen "
         f"{r['trainguard_exit_seen_s']:.3f}, " + ", ".join(f"{p} {ph[p]:.3f}" for p in PHASES)
     )
+    for x in r.get("scaling", []):
+        print(f"  world {x['world']:>3}: trainguard {x['trainguard_s']:.2f} s, "
+              f"torchrun {x['torchrun_s']:.2f} s")  # fmt: skip
     t = r["target"]
     print(
-        f"target ratio <= {t['ratio_max']} and trainguard < {t['trainguard_s_max']:.0f} s: "
-        f"{'met' if r['target_met'] else 'NOT met'} "
+        f"target ratio <= {t['ratio_max']} and trainguard < {t['trainguard_s_max']:g} s"
+        + (f", world {r['scaling_ratio']['worlds'][1]} <= {TARGET_SCALING}x world "
+           f"{r['scaling_ratio']['worlds'][0]}" if "scaling_ratio" in r else "")
+        + f": {'met' if r['target_met'] else 'NOT met'} "
         f"(torchrun --monitor-interval {c['torchrun_monitor_interval_s']} s)"
-    )
+    )  # fmt: skip
     busy = [
         f"{side} {i + 1} ({share:.0%})"
         for side, shares in r["foreign_cpu_share"].items()
@@ -533,12 +643,8 @@ def print_table(r: dict[str, Any]) -> None:
         if share > FOREIGN_CPU_WARN
     ]
     if busy:
-        print(
-            "warning: other processes used the CPUs during "
-            + ", ".join(busy)
-            + "; those runs are skewed (1-min load before the benchmark "
-            f"{c['loadavg_1min_before']:.2f})"
-        )
+        print("warning: other processes used the CPUs during " + ", ".join(busy)
+              + "; those runs are skewed")  # fmt: skip
     for a in r["trainguard_anomalies"]:
         if "fault" in a:
             print(

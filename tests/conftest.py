@@ -209,7 +209,9 @@ def worker_pid(run_dir: Path, rank: int, generation: int = 0) -> int:
         lambda: [
             e
             for e in events(run_dir)
-            if e["kind"] == "worker_started" and e["rank"] == rank and e["generation"] == generation
+            if e["kind"] in ("worker_started", "worker_resumed")
+            and e["rank"] == rank
+            and e["generation"] == generation
         ],
         60,
         f"rank {rank} to start",

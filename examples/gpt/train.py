@@ -6,6 +6,8 @@ optimizer, step, per-rank RNG states and data position, so a resumed run produce
 the same per-step losses as one without a fault. Rank 0 appends
 ``{"step": N, "loss": X, "time": T}`` per step to ``<run dir>/metrics.jsonl``.
 SIGTERM: every rank finishes its step, the job saves a checkpoint and exits 0.
+``trainguard.run(main)``: the survivors of a fault recover in process (main() again, same
+process); the failed rank alone is a new process.
 
 With ``--fsdp`` every block and the root are sharded with FSDP2 (``fully_shard`` on a 1-D
 ``DeviceMesh`` over all ranks): model and optimizer state are DTensors, each rank holding
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -150,6 +153,12 @@ def _total_norm(model: torch.nn.Module) -> float:
     return float((full() if full is not None else norm).item())
 
 
+@functools.cache
+def corpus_of(data: str | None, max_bytes: int) -> torch.Tensor:
+    """The training text, read once per process (an in-process recovery keeps it)."""
+    return load_corpus(data, max_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))
 
-    corpus = load_corpus(args.data, args.data_max_bytes)
+    corpus = corpus_of(args.data, args.data_max_bytes)  # read once: kept across recoveries
     cfg = GPTConfig(
         block_size=args.block_size,
         n_layer=args.n_layer,
@@ -288,4 +297,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # In-process recovery: after a fault the surviving ranks call main() again in the same
+    # process (a new process group, a restore from memory); only the failed rank is new.
+    sys.exit(trainguard.run(main))

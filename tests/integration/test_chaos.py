@@ -66,7 +66,7 @@ class Chaos:
         return out
 
     def _workers(self) -> list[int]:
-        evs = [e for e in events(self.run) if e["kind"] == "worker_started"]
+        evs = [e for e in events(self.run) if e["kind"] in ("worker_started", "worker_resumed")]
         if not evs:
             return []
         gen = max(e["generation"] for e in evs)

@@ -84,6 +84,7 @@ def test_a_slow_rank_among_eight_is_named_with_its_node_and_alerted(tmp_path: Pa
     assert "straggler" in report(run_dir)["alerts"][0]["kind"]
 
 
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_a_rank_hung_before_its_collective_is_named_with_its_stack(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     res = run_job(
@@ -104,6 +105,7 @@ def test_a_rank_hung_before_its_collective_is_named_with_its_stack(tmp_path: Pat
     assert len(rep["steps_completed"]) == 30
 
 
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_a_loss_spike_and_a_nan_are_reported_at_their_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     res = run_job(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import TINY, losses, report, run_job
+from tests.conftest import TINY, events, losses, report, run_job
 from trainguard.controller.api import RECOVERY_PHASES
 
 STEPS = 40
@@ -26,6 +26,13 @@ def test_kill_mid_run_gives_the_same_losses_as_no_fault(tmp_path: Path) -> None:
     assert rep["phase"] == "SUCCEEDED" and rep["last_step"] == STEPS
     assert [(f["cause"], f["rank"], f["step"]) for f in rep["faults"]] == [("worker_crash", 1, 23)]
     (rec,) = rep["recoveries"]
+    # In process (the example runs under trainguard.run): rank 0 kept its process.
+    first = {e["rank"]: e["pid"] for e in events(tmp_path / "faulty")
+             if e["kind"] == "worker_started" and e["generation"] == 0}  # fmt: skip
+    assert rec["mode"] == "inprocess" and rec["kept"] == {"0": first[0]}, rec
+    assert list(rec["new"]) == ["1"] and rec["new"]["1"] != first[1]
+    resumed = [e for e in events(tmp_path / "faulty") if e["kind"] == "inprocess_resumed"]
+    assert [e["rank"] for e in resumed] == [0] and resumed[0]["released_s"] < 10
     # Rank 1 dies at the end of step 23, before snapshotting it: the newest step every rank
     # holds is 22 in memory (or, if the persister had not verified it yet, 21 or 20 on disk).
     assert 20 <= rec["restore_step"] <= 22 and rec["steps_lost"] == 23 - rec["restore_step"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.conftest import ROOT, TINY, events, fault_free_losses, losses, run_job
+from tests.conftest import ROOT, TINY, events, fault_free_losses, losses, report, run_job
 
 FSDP_WORKER = ROOT / "tests" / "helpers" / "fsdp_worker.py"
 STEPS = 24
@@ -47,6 +47,8 @@ def test_kill_restores_the_shards_from_memory_with_the_same_losses(
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(run_dir) == reference  # bit for bit, every step
+    (rec,) = report(run_dir)["recoveries"]
+    assert rec["mode"] == "inprocess" and sorted(map(int, rec["kept"])) == [0, 2, 3], rec
     tiers = _loads(run_dir, 1)
     assert sorted(tiers) == [0, 1, 2, 3]
     assert "memory" in tiers.values(), tiers  # DTensor shards came back from the slots
@@ -72,6 +74,11 @@ def test_lost_host_with_a_standby_gives_the_same_losses(
     assert losses(run_dir) == reference
     started = [e for e in events(run_dir) if e["kind"] == "generation_started"]
     assert len(started) == 2 and "node1" not in started[-1]["assignment"], started
+    (rec,) = report(run_dir)["recoveries"]  # node0's two ranks kept their processes
+    first = {str(e["rank"]): e["pid"] for e in events(run_dir)
+             if e["kind"] == "worker_started" and e["generation"] == 0}  # fmt: skip
+    assert rec["mode"] == "inprocess" and rec["kept"] == {r: first[r] for r in ("0", "1")}, rec
+    assert sorted(map(int, rec["new"])) == [2, 3] and rec["fault"] == "node_lost"
 
 
 @pytest.mark.slow

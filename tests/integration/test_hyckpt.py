@@ -134,14 +134,21 @@ def test_a_malformed_request_is_refused_with_its_reason_and_the_connection_serve
             (b'{"op": "defrag"}', "refused: op: one of alloc, staged, persist"),
             (b'{"op": "status", "v": 99}', "refused: status: protocol version 99"),
             (b"not json", "refused: not a JSON line"),
-            (b'{"op": "wait_durable", "step": 1, "timeout_s": NaN}',
-             "wait_durable: timeout_s nan must be 0.."),
+            (
+                b'{"op": "wait_durable", "step": 1, "timeout_s": NaN}',
+                "wait_durable: timeout_s nan must be 0..",
+            ),
             (b'{"op": "alloc", "rank": 0, "nbytes": 1e999}', "refused: alloc.nbytes"),
             (b'{"op": "alloc", "rank": 99, "nbytes": -1}', "alloc: rank 99 and nbytes -1 must be"),
-            (b'{"op": "wait_durable", "step": 1, "timeout_s": -5}',
-             "wait_durable: timeout_s -5 must be 0.."),
-            (b'{"op": "staged", "rank": 0, "slot": "/etc/passwd", "step": 1, "generation": 0, '
-             b'"durable": true}', "/etc/passwd: not a slot of this node's"),
+            (
+                b'{"op": "wait_durable", "step": 1, "timeout_s": -5}',
+                "wait_durable: timeout_s -5 must be 0..",
+            ),
+            (
+                b'{"op": "staged", "rank": 0, "slot": "/etc/passwd", "step": 1, "generation": 0, '
+                b'"durable": true}',
+                "/etc/passwd: not a slot of this node's",
+            ),
         ):
             c.f.write(line + b"\n")
             c.f.flush()

@@ -38,7 +38,7 @@ from tests.conftest import (
     trainguard_cmd,
     wait_for,
 )
-from trainguard.checkpoint import snapshot
+from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.replica import replica_path
 
 STEPS = 120
@@ -60,13 +60,14 @@ def _job(run_dir: Path) -> str:
 
 
 def _workers(run_dir: Path, generation: int, n: int = 2) -> dict[int, int]:
-    """rank → pid of the generation's workers (waits until all ``n`` started)."""
+    """rank → pid of the generation's workers (waits until all ``n`` started, or resumed:
+    kept by an in-process recovery)."""
 
     def started() -> dict[int, int] | None:
         got = {
             int(e["rank"]): int(e["pid"])
             for e in events(run_dir)
-            if e["kind"] == "worker_started" and e["generation"] == generation
+            if e["kind"] in ("worker_started", "worker_resumed") and e["generation"] == generation
         }
         return got if len(got) == n else None
 
@@ -139,12 +140,17 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 300.0) -> str:
     return err
 
 
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
     tmp_path: Path, reference: dict[int, float]
 ) -> None:
     run = tmp_path / "run"
     shm, job = Path("/dev/shm"), _job(run)
-    proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS)
+    # The test freezes the workers while it waits for copies (seconds under CI's load): a
+    # 60 s hang floor keeps its own freezes from being a hang (CI: a hang at step 40 moved
+    # the job on before the flips).
+    config = FAST_CONFIG + "hang_timeout_min_s = 60.0\n"
+    proc = start_job(run, ["--nodes", "2", "--standby", "1"], ARGS, config=config)
     try:
         # 1. Memory tier: rank 1's newest snapshot gets a flipped byte after ckptd verified
         #    it, then rank 1 is killed. The restore must not load it: it reads the durable
@@ -175,10 +181,19 @@ def test_a_corrupt_copy_in_any_tier_falls_back_to_the_next_verified_one(
         )
         _wait_verified(replica)
         bad_replica = _flip_snapshot(replica)
-        ckpts = sorted(
-            int(d.name.removeprefix("step_")) for d in (run / "checkpoints").glob("step_*")
+        # The newest durable step is the one at or below the replica's (every 10th): wait for
+        # its commit (the persister runs on while the workers are frozen), so that the flipped
+        # disk copy is the one a fallback from the replica's point would reach.
+        durable = bad_replica[0] - bad_replica[0] % 10
+        wait_for(
+            lambda: (
+                durable in storage.list_committed(run / "checkpoints")
+                and storage.committed_generation(run / "checkpoints", durable) == bad_replica[1]
+            ),
+            60,
+            f"durable step {durable} of generation {bad_replica[1]}",
         )
-        bad_disk = ckpts[-1]
+        bad_disk = durable
         part = next((run / "checkpoints" / f"step_{bad_disk}").rglob("*.distcp"))
         _flip(part, part.stat().st_size // 2)
         os.kill(agent_pid(run, "node1"), signal.SIGKILL)

@@ -118,6 +118,7 @@ def test_two_replicas_without_a_standby_roll_back_and_the_rerun_names_a_transien
     assert not _suspect_restores(evs, detected)
 
 
+@pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_two_replicas_that_disagree_are_recomputed_with_one_held_out_and_the_culprit_drained(
     tmp_path: Path, reference2: dict[int, float]
 ) -> None:

@@ -66,7 +66,7 @@ def test_the_report_counts_steps_goodput_drills_faults_and_recoveries(tmp_path: 
         "steps_completed", "last_step", "wall_time_s", "productive_step_time_s", "preflight_s",
         "goodput", "drills", "unseen", "faults", "preflight", "left_out", "hangs",
         "snapshots_skipped", "max_skipped_in_a_row", "planned_stops", "alerts", "archive", "sdc",
-        "at_risk", "recoveries",
+        "at_risk", "recoveries", "local",
     ]  # fmt: skip
     assert rep["kind"] == "job" and rep["earlier_runs"] == 1 and rep["generations"] == 2
     assert rep["steps_completed"] == list(range(1, 41)) and rep["last_step"] == 40

@@ -38,7 +38,9 @@ from trainguard.agent import workers as wk
 from trainguard.agent.checks import CheckRunner
 from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
+from trainguard.agent.inprocess import InProcessStops
 from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
+from trainguard.agent.local import LocalRecovery
 from trainguard.agent.probe import GemmProbe
 from trainguard.checkpoint import ckptd_client as ckptd_mod
 from trainguard.checkpoint.prefetch import Prefetcher, prefetch_root
@@ -123,6 +125,7 @@ class Agent:
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
         self._lock = threading.Lock()
+        self._workers_lock = threading.Lock()  # a poll (and a group's restart) vs a report
         self._wake = threading.Event()
         self._report_now = threading.Event()
         self._shutdown = threading.Event()
@@ -160,6 +163,9 @@ class Agent:
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
         self.launcher = launcher or ProcessLauncher(spare_env, self._spare_log)
         self.group = WorkerGroup(self.launcher, self._event)
+        self.inproc = InProcessStops(self.group, self._sock, self._token, self._event)
+        self.local = LocalRecovery(self.group, self._spec, self._event)
+        self._stacks_generation = -1  # a hang's stacks were taken for this generation
         self.checks = CheckRunner(cfg.run_dir, cfg.node_id, cfg.controller.rsplit(":", 1)[0])
         self._gemm_wrong = False  # the gemm-wrong drill fired here: this node's GEMMs are bad
         self.probe = GemmProbe(self._probe_context, self._base_env())
@@ -181,6 +187,7 @@ class Agent:
         self._stop_workers(grace_s=1.0)
         self.prefetch.close(remove=True)
         self.probe.close()
+        self.local.close()
         self._signal_reader.close()
         self.launcher.close()
         self._link.close()
@@ -255,6 +262,7 @@ class Agent:
         exit. With ``want`` it is the seam that drives an agent without a controller."""
         self._drain_udp()
         self._poll_workers()
+        self.inproc.retransmit()
         self._watch_outside()
         self._watch_hangs()
         self._fence()
@@ -359,15 +367,25 @@ class Agent:
         elif isinstance(d, Stop):
             gen = d.generation
             if self._stopped_generation < gen:
-                if d.dump_stacks and self.generation == gen and self.workers:
+                hang = d.dump_stacks and self.generation == gen and bool(self.workers)
+                if hang and self._stacks_generation < gen:
                     # A hang: every rank's stack, victims' too, before the kill (localization).
+                    self._stacks_generation = gen
                     self._event(
                         "stacks",
                         generation=gen,
                         progress={w.rank: w.step for w in self.workers.values()},
                         stacks=self.group.stacks(),
                     )
-                self._stop_workers(grace_s=d.grace_s)
+                park: set[int] = set()
+                if d.keep and self.generation == gen:  # in-process: survivors park first
+                    why = "the generation failed; its other ranks are being replaced"
+                    if not self.inproc.abort_done(d, why):
+                        return False  # again on the next pass (every LOOP_S)
+                    park = self.inproc.parked()
+                    d_run = self._run_desired
+                    self.group.parked_world = d_run.world_size if d_run is not None else None
+                self._stop_workers(grace_s=d.grace_s, park=park)
                 self._stopped_generation = gen
                 self._report_now.set()
         else:  # Idle
@@ -396,19 +414,11 @@ class Agent:
         self.probe.set_period(d.probe_every_s)
         ranks = []
         for local_rank in range(d.nproc_per_node):
-            env = self._worker_env(d, local_rank)
-            rank = int(env["RANK"])
-            log_path = Path(d.log_dir or self.cfg.run_dir / "logs") / f"rank{rank}.gen{gen}.log"
-            spec = {
-                "env": env,
-                "argv": [d.script, *d.script_args],
-                "mode": d.launch,
-                "cwd": os.getcwd(),
-                "log": str(log_path),
-                "error_file": env["TORCHELASTIC_ERROR_FILE"],
-            }
-            ranks.append((rank, local_rank, spec))
-        self.group.start(gen, ranks)
+            spec = self._spec(d, local_rank)
+            ranks.append((int(spec["env"]["RANK"]), local_rank, spec))
+        self.local.start(d)
+        same_world = self.group.parked_world == d.world_size
+        self.group.start(gen, ranks, resume=self.inproc.resume(gen) if same_world else None)
         log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
         self._report_now.set()
         if d.restore_step is not None and d.restore_gen is not None and d.ckpt.memory_tier:
@@ -418,6 +428,25 @@ class Agent:
                 name="agent-preverify",
                 daemon=True,
             ).start()
+
+    def _spec(self, d: Run, local_rank: int, incarnation: int = 0) -> dict[str, Any]:
+        """How to start local rank ``local_rank`` of generation ``d`` (``Launcher.start``);
+        ``incarnation``: its replica group's restart (local recovery), 0 at the start."""
+        env = self._worker_env(d, local_rank)
+        rank, gen = int(env["RANK"]), d.generation
+        name = f"rank{rank}.gen{gen}" + (f".inc{incarnation}" if incarnation else "")
+        if incarnation:
+            env[rt_api.ENV_REPLICA_INCARNATION] = str(incarnation)
+            stem = env["TORCHELASTIC_ERROR_FILE"].removesuffix(".json")
+            env["TORCHELASTIC_ERROR_FILE"] = f"{stem}.inc{incarnation}.json"
+        return {
+            "env": env,
+            "argv": [d.script, *d.script_args],
+            "mode": d.launch,
+            "cwd": os.getcwd(),
+            "log": str(Path(d.log_dir or self.cfg.run_dir / "logs") / f"{name}.log"),
+            "error_file": env["TORCHELASTIC_ERROR_FILE"],
+        }
 
     def _preverify(self, ranks: list[int], step: int, snap_gen: int, gen: int) -> None:
         """Have ckptd re-checksum the snapshots the new workers will restore, while they start
@@ -437,11 +466,11 @@ class Agent:
         finally:
             c.close()
 
-    def _stop_workers(self, *, grace_s: float) -> None:
+    def _stop_workers(self, *, grace_s: float, park: set[int] | None = None) -> None:
         had = bool(self.workers)
         ckptd = self.ckptd.pid
         keep = {p for p in (ckptd, self.probe.pid) if p is not None}  # daemons, not workers
-        self.group.stop(grace_s=grace_s, keep=keep)
+        self.group.stop(grace_s=grace_s, keep=keep, park=park)
         self._store = None
         if had:
             self._ckptd_now.set()  # the memory index as of after the stop, for the restore
@@ -449,7 +478,14 @@ class Agent:
 
     # ------------------------------------------------------------------ observation
     def _poll_workers(self) -> None:
-        if self.group.poll():
+        # Under _workers_lock: a report never shows a worker that failed in the moment before
+        # its replica group's restart replaced it (the controller would recover globally).
+        with self._workers_lock:
+            exited = self.group.poll()
+            d = self._run_desired
+            if exited and d is not None and self.generation == d.generation:
+                self.local.failed(d)  # replica groups: restart here, heal from a peer
+        if exited:
             self._ckptd_now.set()
             self._report_now.set()
 
@@ -496,7 +532,17 @@ class Agent:
                 continue
             ref = w.last_progress_mono if w.last_progress_mono is not None else w.started_mono
             limit = hang_limit(d, w)
-            seen = outside.stalled(w, d.hang_timeout_min_s, now)
+            # Local recovery: a stopped rank is its group's fault, killed here at half the hang
+            # floor, before the controller would call the job hung on the same sign; killed,
+            # it closes its sockets, the other groups' all-reduce fails at once, and its group
+            # restarts.
+            local = d.replica_groups > 1
+            seen = outside.stalled(w, d.hang_timeout_min_s / (2.0 if local else 1.0), now)
+            if seen is not None and local:
+                self._event("group_rank_killed", generation=self.generation, rank=w.rank,
+                            stalled_s=round(seen[0], 3), how=seen[2])  # fmt: skip
+                self.group.launcher.stop([w.proc], grace_s=0.0)
+                continue
             if seen is not None:
                 stalled_s, limit, how = seen
                 ref = now - stalled_s
@@ -527,7 +573,7 @@ class Agent:
         reconcile. An unauthenticated or malformed datagram is logged and dropped."""
         for _ in range(limit):
             try:
-                data = self._sock.recv(65536)
+                data, addr = self._sock.recvfrom(65536)
             except BlockingIOError:
                 return
             try:
@@ -539,15 +585,18 @@ class Agent:
                 log.warning("dropped a malformed worker report: %s", e)
                 continue
             try:
-                self._on_message(sender, msg)
+                self._on_message(sender, msg, addr)
             except ValueError as e:  # ProtocolError: its content does not fit the report wire
                 log.warning("dropped a worker report from rank %d: %s", sender.rank, e)
 
-    def _on_message(self, sender: Sender, msg: WorkerMessage) -> None:
+    def _on_message(
+        self, sender: Sender, msg: WorkerMessage, addr: tuple[str, int] | None = None
+    ) -> None:
         w = self.workers.get(sender.rank)
         if w is None or sender.generation != self.generation or sender.pid != w.proc.pid:
             return
         now = time.monotonic()
+        w.addr = addr or w.addr  # where an Abort or Resume reaches it (agent/inprocess.py)
         for it in msg.items if isinstance(msg, Batch) else (msg,):
             match it:
                 case Heartbeat():
@@ -557,6 +606,10 @@ class Agent:
                         w.coll = it.coll
                     if it.total_steps is not None:
                         w.total_steps = it.total_steps
+                    w.inprocess = w.inprocess or it.inprocess
+                    if it.parked and w.state == "running":
+                        w.state, w.parked_at = "parked", time.time()
+                        self._report_now.set()
                     if it.phase or (since is not None and wk.working(w, it, since)):
                         w.last_progress_mono = now
                 case Alive():
@@ -575,6 +628,12 @@ class Agent:
                     if fired is not None and (w.step is None or fired > w.step):
                         w.step = fired  # the step it completed; its record may not have left
                     data = {**it.data, "ts": it.ts, "generation": self.generation, "rank": w.rank}
+                    if it.kind == "inprocess_parked":  # sent again each second while parked
+                        if w.state != "running":
+                            continue
+                        w.state, w.inprocess, w.parked_at = "parked", True, it.ts
+                        w.error = str(it.data.get("reason") or "")[:2000] or None
+                        self._report_now.set()
                     self._event(it.kind, **data)
                     if it.fired_kind == "node-down":
                         self._power_off()
@@ -609,7 +668,8 @@ class Agent:
     def _snapshot(self) -> protocol.AgentReport:
         now = time.monotonic()
         # What may raise first: the events and step records are taken last, so none is lost.
-        workers = [w.observe(now) for w in list(self.workers.values())]
+        with self._workers_lock:
+            workers = [w.observe(now) for w in list(self.workers.values())]
         ckptd, health, checks = self._ckptd_status(), self._health(), self.checks.report()
         with self._lock:
             events, self._events = self._events, []
@@ -717,7 +777,7 @@ class Agent:
     def _ckptd_loop(self) -> None:
         while not self._ckptd_off.is_set():
             hb = self._run_desired.heartbeat_s if self._run_desired is not None else 0.5
-            self._ckptd_now.wait(hb)
+            asked = self._ckptd_now.wait(hb)
             self._ckptd_now.clear()
             if self._ckptd_off.is_set():
                 return
@@ -725,6 +785,8 @@ class Agent:
                 self.refresh_ckptd()
             except Exception:  # the memory index goes stale, the node stays alive
                 log.exception("reading ckptd's status failed; retrying")
+            if asked:  # after a stop: the controller waits on this index to pick a restore point
+                self._report_now.set()
 
     def _poll_loop(self) -> None:
         backoff = 0.1

@@ -87,4 +87,7 @@ def worker_env(
         rt_api.ENV_JOB_ID: job_id,
         rt_api.ENV_REPLICA_SOURCE: str(d.replica_sources.get(str(rank), "")),
         rt_api.ENV_NODE_ID: cfg.node_id,
+        rt_api.ENV_REPLICA_GROUPS: str(d.replica_groups),
+        rt_api.ENV_REPLICA_INCARNATION: "0",
+        rt_api.ENV_REPLICA_TIMEOUT_S: str(d.replica_timeout_s),
     }

@@ -112,18 +112,45 @@ class WorkerGroup:
         self._on_event = on_event
         self.generation: int | None = None
         self.workers: dict[int, wk.Worker] = {}
+        # Survivors of the last stopped generation whose processes wait to resume, by rank
+        # (in-process recovery: agent/inprocess.py), and the world size they ran in.
+        self.parked: dict[int, wk.Worker] = {}
+        self.parked_world: int | None = None
         self.stopped_at: float | None = None  # wall clock of the last stop's kill
         self.cleaned_at: float | None = None  # ... and of its stray clean-up
 
     def running(self) -> list[wk.Worker]:
         return [w for w in self.workers.values() if w.state == "running"]
 
-    def start(self, generation: int, ranks: list[tuple[int, int, dict[str, Any]]]) -> None:
+    def start(
+        self,
+        generation: int,
+        ranks: list[tuple[int, int, dict[str, Any]]],
+        resume: Callable[[wk.Worker, dict[str, Any]], bool] | None = None,
+    ) -> None:
         """Start ``generation``'s ranks, each (rank, local rank, spec) (see ``Launcher.start``;
-        the spec's ``log`` and ``error_file`` are the worker's). Raises OSError if a process
-        cannot be started (the caller stops those that were)."""
+        the spec's ``log`` and ``error_file`` are the worker's). A rank whose process is
+        parked is handed to ``resume(parked worker, spec)`` first (in-process recovery); when
+        that returns False, or without it, the rank gets a new process and the parked one is
+        killed. Raises OSError if a process cannot be started (the caller stops those that
+        were)."""
         self.generation, self.workers = generation, {}
+        parked, self.parked = self.parked, {}
         for rank, local_rank, spec in ranks:
+            old = parked.pop(rank, None)
+            alive = old is not None and old.proc.poll() is None
+            if old is not None and alive and resume is not None and resume(old, spec):
+                self.workers[rank] = wk.Worker(
+                    rank=rank, local_rank=local_rank, proc=old.proc, log_path=old.log_path,
+                    error_file=Path(spec["error_file"]), started_mono=time.monotonic(),
+                    inprocess=True, addr=old.addr, env=dict(spec["env"]),
+                    resumed_from=old.resumed_from,  # the generation it ran in
+                )  # fmt: skip
+                self._on_event("worker_resumed", generation=generation, rank=rank,
+                               pid=old.proc.pid, from_generation=old.resumed_from)  # fmt: skip
+                continue
+            if old is not None:
+                parked[rank] = old
             proc = self.launcher.start(spec)
             self.workers[rank] = wk.Worker(
                 rank=rank,
@@ -132,16 +159,47 @@ class WorkerGroup:
                 log_path=Path(spec["log"]),
                 error_file=Path(spec["error_file"]),
                 started_mono=time.monotonic(),
+                env=dict(spec["env"]),
             )
             self._on_event(
                 "worker_started", generation=generation, rank=rank, pid=proc.pid, log=spec["log"]
             )
+        self._kill_parked(parked, "the next generation did not resume it")
+
+    def replace(self, rank: int, local_rank: int, spec: dict[str, Any], **why: Any) -> None:
+        """A new process for ``rank`` in the running generation (local recovery: its replica
+        group restarts while the others train; ``agent/local.py``). ``why``: the event's
+        further fields. Raises OSError if it cannot be started."""
+        proc = self.launcher.start(spec)
+        self.workers[rank] = wk.Worker(
+            rank=rank, local_rank=local_rank, proc=proc,  # type: ignore[arg-type]
+            log_path=Path(spec["log"]), error_file=Path(spec["error_file"]),
+            started_mono=time.monotonic(), env=dict(spec["env"]),
+        )  # fmt: skip
+        self._on_event("worker_started", generation=self.generation, rank=rank, pid=proc.pid,
+                       log=spec["log"], **why)  # fmt: skip
+
+    def _kill_parked(self, parked: dict[int, wk.Worker], why: str) -> None:
+        """Kill parked processes that will not be resumed (an ``inprocess_escalated`` each)."""
+        if not parked:
+            return
+        self.launcher.stop([w.proc for w in parked.values()], grace_s=0.0)
+        for w in parked.values():
+            self._on_event("inprocess_escalated", generation=w.resumed_from, rank=w.rank,
+                           pid=w.proc.pid, reason=why)  # fmt: skip
 
     def poll(self, *, stopping: bool = False) -> bool:
         """Note the running workers that exited (``stopped`` while ``stopping``, else
         ``succeeded`` or ``failed`` with the error it left). Returns whether any did."""
         exited = False
-        for w in self.running():
+        for rank, w in list(self.parked.items()):  # parked between generations: died?
+            if w.proc.poll() is not None:
+                del self.parked[rank]
+                self._on_event("inprocess_escalated", generation=w.resumed_from, rank=rank,
+                               pid=w.proc.pid, reason="its process exited while parked")  # fmt: skip
+        for w in self.workers.values():
+            if w.state not in ("running", "parked"):
+                continue
             code = w.proc.poll()
             if code is None:
                 continue
@@ -165,23 +223,44 @@ class WorkerGroup:
             )
         return exited
 
-    def stop(self, *, grace_s: float, keep: set[int]) -> None:
-        """Stop every worker (``Launcher.stop``), then every stray descendant of the agent
-        except the spares and ``keep`` (its ckptd); the group is then empty."""
+    def kill(self, ranks: set[int], *, grace_s: float) -> None:
+        """Stop the workers of ``ranks`` now (``Launcher.stop``); they count as stopped."""
+        procs = [w.proc for r, w in self.workers.items() if r in ranks]
+        if procs:
+            self.launcher.stop(procs, grace_s=grace_s)
+            self.poll(stopping=True)
+
+    def stop(self, *, grace_s: float, keep: set[int], park: set[int] | None = None) -> None:
+        """Stop every worker (``Launcher.stop``) but the parked ones of ``park`` (ranks: kept
+        for the next generation, ``self.parked``), then every stray descendant of the agent
+        except the spares, ``keep`` (its ckptd) and the parked processes with their children;
+        the group is then empty. Without ``park``, processes parked before are killed too."""
+        park = park or set()
+        self._kill_parked(self.parked, "the job did not resume it")  # left from before
+        self.parked = {}
         if not self.workers and self.generation is None:
             return
-        self.launcher.stop([w.proc for w in self.workers.values()], grace_s=grace_s)
+        kept = {r: w for r, w in self.workers.items() if r in park and w.state == "parked"}
+        self.launcher.stop(
+            [w.proc for r, w in self.workers.items() if r not in kept], grace_s=grace_s
+        )
         self.stopped_at = time.time()
         self.poll(stopping=True)
-        killed = self.launcher.clean(self.launcher.pids | keep)
+        pids = {w.proc.pid for w in kept.values()}
+        killed = self.launcher.clean(self.launcher.pids | keep | pids)
+        wk.drop_orphan_semaphores()  # the killed ranks' (their resource trackers died too)
         self.cleaned_at = time.time()
         self._on_event(
             "workers_stopped",
             generation=self.generation,
             grace_s=grace_s,
             stray_killed=killed,
-            exit_codes={w.rank: w.exit_code for w in self.workers.values()},
+            exit_codes={w.rank: w.exit_code for r, w in self.workers.items() if r not in kept},
+            kept={r: w.proc.pid for r, w in kept.items()},
         )
+        for w in kept.values():
+            w.resumed_from = self.generation  # while parked: the generation it ran in
+        self.parked = kept
         self.workers, self.generation = {}, None
 
     def stacks(self) -> dict[int, str]:
@@ -190,4 +269,5 @@ class WorkerGroup:
 
     def power_off(self) -> None:
         """SIGKILL every worker and spare at once (a node-down drill; the agent follows)."""
-        self.launcher.kill_all([w.proc for w in self.workers.values()])
+        procs = [w.proc for w in (*self.workers.values(), *self.parked.values())]
+        self.launcher.kill_all(procs)

@@ -48,7 +48,11 @@ WARM_MODULES = (
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
     "torch.nn.parallel",
+    # An optimizer's construction imports torch._dynamo (1.4 s here): a replica group's
+    # restarted rank paid it before its heal (benchmarks/local_recovery.py).
+    "torch._dynamo",
     "trainguard.checkpoint.checkpointer",
+    "trainguard.runtime.replica",
 )
 
 

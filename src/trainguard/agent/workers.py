@@ -68,6 +68,14 @@ class Worker:
     durations: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=64)
     )
+    # In-process recovery (agent/inprocess.py): the script runs under trainguard.run; the
+    # address its datagrams come from (Abort and Resume go there); the environment it runs
+    # with; the generation its process ran before it was resumed into this one.
+    inprocess: bool = False
+    addr: tuple[str, int] | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    resumed_from: int | None = None
+    parked_at: float | None = None  # wall clock, when it said it parked
 
     def observe(self, now_mono: float) -> WorkerReport:
         """The worker as the controller receives it (its report's ``workers`` entry)."""
@@ -93,6 +101,9 @@ class Worker:
             if self.cpu_progress_mono is None
             else max(0.0, now_mono - self.cpu_progress_mono),
             runtime=self.last_hb_mono is not None,
+            inprocess=self.inprocess,
+            resumed_from=self.resumed_from,
+            parked_at=self.parked_at,
         )
 
     def read_error(self) -> str | None:
@@ -237,6 +248,39 @@ def clean_descendants(keep: set[int]) -> list[int]:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(child.pid, 0 if time.monotonic() < deadline else os.WNOHANG)
     return killed
+
+
+def drop_orphan_semaphores(shm: Path = Path("/dev/shm"), min_age_s: float = 5.0) -> list[str]:
+    """Unlink Python multiprocessing's named semaphores (``sem.mp-*``) that no live process
+    maps: those of SIGKILLed workers, whose resource tracker died with them (a spawn
+    DataLoader leaves a few per killed rank). A semaphore in use is mapped by its users, so an
+    unmapped one is no one's. Matched by inode, not by name: glibc's ``sem_open`` maps a
+    temporary file and links it to the name after, so the creator's ``/proc/PID/maps`` names
+    ``sem.XXXXXX (deleted)`` (matching names removed live semaphores of other jobs on the
+    host). One younger than ``min_age_s`` seconds is left (made a moment ago). Returns the
+    names removed."""
+    now = time.time()
+    inodes: dict[str, int] = {}
+    for f in shm.glob("sem.mp-*"):
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            if now - st.st_mtime >= min_age_s:
+                inodes[f.name] = st.st_ino
+    if not inodes:
+        return []
+    mapped: set[int] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            for line in maps.read_text().splitlines():
+                if "/sem." in line:  # address perms offset dev inode path
+                    fields = line.split()
+                    if len(fields) >= 6 and fields[4].isdigit():
+                        mapped.add(int(fields[4]))
+    gone = sorted(n for n, ino in inodes.items() if ino not in mapped)
+    for n in gone:
+        with contextlib.suppress(OSError):
+            (shm / n).unlink()
+    return gone
 
 
 def _py_spy(exe: str, pid: int, deadline: float) -> str:

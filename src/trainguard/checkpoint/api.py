@@ -38,10 +38,12 @@ def own_key(key: str, rank: int) -> bool:
 
 
 def rank_world() -> tuple[int, int]:
-    """This process's (rank, world size): the process group's, else the launcher's variables."""
+    """This process's (rank, world size): the process group's, else the launcher's variables.
+    With replica groups the process group is the group's: the job's rank is the launcher's."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    groups = os.environ.get("TRAINGUARD_REPLICA_GROUPS", "1")  # runtime/api.py's name
+    if dist.is_available() and dist.is_initialized() and groups in ("", "1"):
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -19,6 +19,7 @@ it finishes before the optimizer next writes the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -111,6 +112,8 @@ class Checkpointer:
         self._device_hold: tuple[device.Stager, device.Event] | None = None
         self.max_skipped, self._skipped = max_skipped, 0  # snapshots skipped in a row
         self._grad_flip: sdc.GradFlip | None = None  # an armed sdc:target=grad drill
+        self._hooks: list[Any] = []  # optimizer pre-hook handles (removed by abandon)
+        self._rt.owned.add(self)  # released by an in-process recovery (runtime/inprocess.py)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
@@ -328,7 +331,9 @@ class Checkpointer:
         pinned copy (the host does not block). Only tensors of attached optimizers are
         copied in the background."""
         self._optimizers.append(optimizer)
-        optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+        self._hooks.append(
+            optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+        )
         spec = self._rt.grad_drill()  # an injected corrupt gradient (tests, drills)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
         if spec is not None and spec.step is not None and params and self._grad_flip is None:
@@ -492,6 +497,22 @@ class Checkpointer:
                 f"step {self._last_durable} was not durable within {timeout_s:.0f}s; "
                 f"see the persister's events (disk full?) in the run's events"
             )
+
+    def abandon(self) -> None:
+        """Release this Checkpointer without waiting for durability (an in-process recovery
+        drops the failed generation's; what it staged stays in ckptd): the background copy
+        is joined (``SLOT_WAIT_S`` deadline), the optimizer hooks removed, slots and the
+        ckptd connection closed. Never raises."""
+        if self._copy is not None:
+            self._copy.join(timeout=SLOT_WAIT_S)
+            self._copy = None
+        self._copied.set()
+        for h in self._hooks:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._hooks, self._optimizers, self._last_durable = [], [], None
+        with contextlib.suppress(Exception):
+            self.close()
 
     def close(self) -> None:
         """Wait for durability of the last durable save, then release slots and the persister."""

@@ -310,9 +310,11 @@ class Persister:
         self._closed = False
         self._busy = 0
         self._current: tuple[str, int, int] | None = None  # (slot, step, gen) being persisted
+        self._verifying = False  # the current item's checksums are not indexed yet
         self._commits_waiting = False  # the committer is waiting for other ranks' parts
         self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
         self._failed: dict[int, str] = {}  # step → why its part could not be persisted here
+        self._commit_failed: set[int] = set()  # ... those of them whose commit failed
         # Read-only mappings of slots, kept across saves: mapping a slot anew sets up its page
         # tables every time (as long as copying it). Used by the persister thread only.
         self._maps: dict[str, tuple[tuple[int, int], snapshot.Slot]] = {}
@@ -328,6 +330,13 @@ class Persister:
         """A rank finished staging ``step`` into ``slot``. Returns at once."""
         with self._cv:
             self._newest_gen = max(self._newest_gen, generation)
+            if durable and rank == 0 and step in self._commit_failed:
+                # A new copy of rank 0's part (a replica group's restarted rank saves the step
+                # again) queues a new commit of it: an earlier commit's failure (it raced the
+                # dead incarnation's part) no longer says the step cannot become durable. A
+                # part's own failure (a full disk) stands.
+                self._commit_failed.discard(step)
+                self._failed.pop(step, None)
             queue = [
                 it for it in self._pending.get(rank, []) if it[3]
             ]  # memory-only items coalesce
@@ -475,11 +484,11 @@ class Persister:
         return True
 
     def idle(self) -> bool:
-        """Nothing staged is left to verify or persist here (a commit that only waits for
-        other ranks' parts does not count: those may never come after a fault)."""
+        """Nothing staged is left to verify here: the memory index is whole (what the
+        controller waits for before it picks a restore point). A durable part still being
+        written does not count: the index no longer changes with it."""
         with self._cv:
-            waiting = 1 if self._commits_waiting else 0
-            return not any(self._pending.values()) and self._busy <= waiting
+            return not any(self._pending.values()) and not self._verifying
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish pending persistence (bounded by ``timeout_s``), give up commits still waiting
@@ -513,6 +522,7 @@ class Persister:
                 slot, step, gen, durable = self._pending[rank].pop(0)
                 self._busy += 1
                 self._current = (str(slot), step, gen)
+                self._verifying = True
             try:
                 self._persist_one(rank, slot, step, gen, durable)
             except (
@@ -527,6 +537,7 @@ class Persister:
                 with self._cv:
                     self._busy -= 1
                     self._current = None
+                    self._verifying = False
                     self._cv.notify_all()
 
     def _persist_one(self, rank: int, slot_path: Path, step: int, gen: int, durable: bool) -> None:
@@ -551,6 +562,8 @@ class Persister:
                 self.emit("ckpt_staged", rank=rank, step=step, snapshot_generation=gen)
                 if self.on_verified is not None:
                     self.on_verified(rank, slot_path, step, gen, sums)
+                with self._cv:  # indexed (and replicated): what follows is the durable part
+                    self._verifying = False
                 if not durable:
                     return
                 tensors, blob = slot.views(h)
@@ -636,6 +649,7 @@ class Persister:
                 reason = describe_write_error(e, self.root, 1 << 20)
                 with self._cv:
                     self._failed[step] = reason  # wait_durable() fails at once, with the reason
+                    self._commit_failed.add(step)
                 self.emit("ckpt_commit_failed", step=step, reason=reason)
             finally:
                 with self._cv:

@@ -115,6 +115,7 @@ _JOB_FLAGS: tuple[Flag, ...] = (
     (("--run-dir", "--run_dir"),
      dict(type=Path, default=None, help="run directory (default runs/<timestamp>)")),
     _field_flag("max_restarts", "--max_restarts", type=int, default=None),
+    _field_flag("replica_groups", "--replica_groups", type=int, default=None, metavar="G"),
 )  # fmt: skip
 _JOB_FLAGS_AFTER: tuple[Flag, ...] = (
     _field_flag("preflight", choices=list(typing.get_args(PreflightLevel)), default=None),

@@ -133,6 +133,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         "nproc_per_node": parse_nproc(args.nproc_per_node),
         "log_dir": str(args.log_dir.resolve()) if args.log_dir else None,
         "max_restarts": args.max_restarts,
+        "replica_groups": args.replica_groups,
         "hang_timeout_s": args.hang_timeout,
         "preflight": getattr(args, "preflight", None),
     }

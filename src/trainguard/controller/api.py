@@ -134,6 +134,11 @@ class Recovery:
     )  # tier → ranks restored from it
     steps_lost: int | None = None
     replaced: dict[str, str] = dataclasses.field(default_factory=dict)  # lost node → standby
+    # "inprocess": the ranks of ``kept`` keep their processes (aborted, parked, resumed), the
+    # others are new; "restart": every rank is a new process. ``mode_reason`` says why.
+    mode: str = "restart"
+    mode_reason: str = ""
+    kept: list[int] = dataclasses.field(default_factory=list)
     t_stopped: float | None = None
     t_cleaned: float | None = None
     t_replaced: float | None = None

@@ -112,6 +112,11 @@ class TimeoutsConfig:
     fault_stop_grace_s: float = setting(
         0.1, "SIGTERM → SIGKILL when stopping a faulted generation (nothing left to save)"
     )
+    inprocess_abort_s: float = setting(
+        10.0,
+        "in-process recovery: a survivor not out of its training function this long "
+        "after the abort is killed and restarted as a new process",
+    )
 
     def __post_init__(self) -> None:
         _need(
@@ -129,6 +134,7 @@ class TimeoutsConfig:
             "stop_persist_timeout_s",
             "exit_grace_s",
             "wait_for_nodes_timeout_s",
+            "inprocess_abort_s",
         ):
             v = getattr(self, name)
             _need(v > 0 and math.isfinite(v), f"{name}={v}: must be a finite number of seconds > 0")
@@ -153,9 +159,41 @@ class RestartConfig:
         3, "generations in a row without a new checkpoint → FAILED"
     )
     user_error_generations: int = setting(2, "generations in a row failing before step 1 → FAILED")
+    inprocess: bool = setting(
+        True,
+        "recover in process where every rank's script runs under trainguard.run: the "
+        "survivors keep their processes, only the failed ranks are new",
+    )
 
     def __post_init__(self) -> None:
         _need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaConfig:
+    """Local recovery (docs/local_recovery.md): the job's ranks as replica groups, each a whole
+    model replica; a failed group restarts and heals from a live one while the others train."""
+
+    groups: int = setting(
+        1,
+        "replica groups (1: off; every fault is a global recovery)",
+        flat="replica_groups",
+        flag="--replica-groups",
+    )
+    max_local_restarts: int = setting(
+        10, "restarts of one group healed from a peer before a fault is a global recovery"
+    )
+    quorum_timeout_s: float = setting(
+        30.0, "how long a group waits for the next quorum epoch or a peer's collective"
+    )
+
+    def __post_init__(self) -> None:
+        _need(self.groups >= 1, f"--replica-groups {self.groups}: must be >= 1")
+        _need(self.max_local_restarts >= 0, "max_local_restarts must be >= 0")
+        _need(
+            self.quorum_timeout_s > 0 and math.isfinite(self.quorum_timeout_s),
+            f"quorum_timeout_s={self.quorum_timeout_s}: must be a finite number of seconds > 0",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -376,6 +414,7 @@ class MetricsConfig:
 SECTIONS: dict[str, type] = {
     "timeouts": TimeoutsConfig,
     "restart": RestartConfig,
+    "replica": ReplicaConfig,
     "pool": PoolConfig,
     "checkpoint": CheckpointConfig,
     "archive": ArchiveConfig,
@@ -413,6 +452,7 @@ class JobConfig:
     injects: tuple[InjectSpec, ...] = setting((), "fault drills", flag="--inject")
     timeouts: TimeoutsConfig = setting(factory=TimeoutsConfig, doc="deadlines and periods")
     restart: RestartConfig = setting(factory=RestartConfig, doc="the restart policy")
+    replica: ReplicaConfig = setting(factory=ReplicaConfig, doc="replica groups, local recovery")
     pool: PoolConfig = setting(factory=PoolConfig, doc="faulty nodes' re-checks and retirement")
     checkpoint: CheckpointConfig = setting(factory=CheckpointConfig, doc="checkpoint tiers")
     archive: ArchiveConfig = setting(factory=ArchiveConfig, doc="the cold tier")
@@ -437,6 +477,21 @@ class JobConfig:
         _need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
         self._check_cold_tier()
         self._check_injects()
+        self._check_replica_groups()
+
+    def _check_replica_groups(self) -> None:
+        """Groups of equal size, none straddling two nodes (a group's store and restart are
+        its node agent's)."""
+        g, w, n = self.replica.groups, self.world_size, self.nproc_per_node
+        if g == 1:
+            return
+        _need(w % g == 0, f"--replica-groups {g}: must divide the world size {w}")
+        _need(
+            n % (w // g) == 0,
+            f"--replica-groups {g}: a group of {w // g} ranks would straddle nodes of {n} "
+            f"processes; use a multiple of {w // n} groups",
+        )
+        _need(self.min_nodes is None, "--replica-groups: not with an elastic job (--nodes MIN:MAX)")
 
     def _check_cold_tier(self) -> None:
         """The cold tier must not be (or hold, or sit in) the durable tier."""

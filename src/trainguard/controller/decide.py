@@ -23,6 +23,8 @@ from trainguard.controller.api import (
 from trainguard.controller.config import JobConfig
 from trainguard.controller.desired import desired_for
 from trainguard.controller.detect import blame_lost_node, detect_fault, gen_workers, stuck_at_exit
+from trainguard.controller.inprocess import plan as inprocess_plan
+from trainguard.controller.inprocess import refine as inprocess_refine
 from trainguard.controller.jobstate import (
     ACTIVE_PHASES,
     Event,
@@ -80,11 +82,11 @@ def decide(
         standby = bool(healthy_standby(s, obs, now, cfg))
         sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events, standby)
         if sdc is not None:
-            _faulted(s, sdc, now, events)
+            _faulted(s, sdc, now, events, obs, cfg)
     if s.phase == Phase.RUNNING and inputs is not None and inputs.suspected:
         sdc = check_suspected(s, inputs.suspected, now, cfg, events)
         if sdc is not None:
-            _faulted(s, sdc, now, events)
+            _faulted(s, sdc, now, events, obs, cfg)
     if (
         s.stop_requested
         and not s.phase.terminal
@@ -200,7 +202,7 @@ def _active(
     fault = detect_fault(s, obs, now, cfg, both)
     workers = [w for _, w in both]
     if fault is not None:
-        _faulted(s, fault, now, events)
+        _faulted(s, fault, now, events, obs, cfg)
     elif len(workers) == world_of(s, cfg) and all(
         w.state == "succeeded" or stuck_at_exit(w, workers, cfg, events, gen) for w in workers
     ):
@@ -243,12 +245,32 @@ def _active(
         goto(s, Phase.STOPPING, now, events, "grow: standby node(s) available")
 
 
-def _faulted(s: JobState, fault: Fault, now: float, events: list[Event]) -> None:
-    """The running generation has a fault: FAULTED, then STOPPING at once."""
-    s.recovery = Recovery(fault=fault, from_generation=s.generation)
+def _faulted(
+    s: JobState,
+    fault: Fault,
+    now: float,
+    events: list[Event],
+    obs: dict[str, NodeObs],
+    cfg: JobConfig,
+) -> None:
+    """The running generation has a fault: FAULTED, then STOPPING at once, in process or as a
+    restart of every rank (``inprocess.plan``)."""
+    keep, why = inprocess_plan(s, fault, obs, now, cfg)
+    s.recovery = Recovery(
+        fault=fault, from_generation=s.generation, mode="inprocess" if keep else "restart",
+        mode_reason=why, kept=keep,
+    )  # fmt: skip
     events.append(("fault", fault.to_json()))
+    events.append(("recovery_mode", {"generation": s.generation, "mode": s.recovery.mode,
+                                     "kept": keep, "reason": why}))  # fmt: skip
     goto(s, Phase.FAULTED, now, events, fault.message.splitlines()[0])
-    goto(s, Phase.STOPPING, now, events, "stop the faulted generation")
+    how = (
+        f"in process, rank(s) {', '.join(map(str, keep[:8]))}{', …' if len(keep) > 8 else ''} "
+        "keep their processes"
+        if keep
+        else f"restart of every rank: {why}"
+    )
+    goto(s, Phase.STOPPING, now, events, f"stop the faulted generation ({how})")
 
 
 def _stopping(
@@ -301,6 +323,7 @@ def _cleaning(
             goto(s, Phase.STOPPED, now, events, s.reason)
         else:
             blame_lost_node(s, obs, now, cfg, events)
+            inprocess_refine(s, obs, now, cfg)
             goto(s, Phase.REPLACING, now, events, "workers stopped, processes and segments cleaned")
             apply_policy(s, obs, now, cfg, events, durable)
 

@@ -46,18 +46,7 @@ def desired_for(
     if rank is None or rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
-        faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
-        grace = cfg.timeouts.fault_stop_grace_s if faulted else cfg.timeouts.stop_grace_s
-        cause = s.recovery.fault.cause if faulted and s.recovery is not None else None
-        if cause == FaultCause.SDC:
-            # Corrupt state: SIGKILL at once. A script that saves on SIGTERM would persist
-            # it, and retention would drop the good step the rollback needs to make room.
-            grace = 0.0
-        hang = cause == FaultCause.HANG
-        persist = None
-        if s.persist is not None:  # persist this snapshot from memory (a planned stop)
-            persist = (int(s.persist["step"]), int(s.persist["generation"]))
-        return Stop(generation=s.generation, grace_s=grace, dump_stacks=hang, persist=persist)
+        return _stop(s, cfg)
     if s.phase not in ACTIVE_PHASES:
         return idle
     ring = ring if ring is not None else ring_of(s)
@@ -93,4 +82,30 @@ def desired_for(
         replica_peers=replica_peers(s, node_id, obs, cfg, ring),
         replica_sources=s.restore_sources,
         probe_every_s=cfg.sdc.probe_every_s if cfg.sdc.sdc_check else 0.0,
+        replica_groups=cfg.replica.groups,
+        replica_max_local_restarts=cfg.replica.max_local_restarts,
+        replica_timeout_s=cfg.replica.quorum_timeout_s,
     )
+
+
+def _stop(s: JobState, cfg: JobConfig) -> Stop:
+    """A stopping generation's ``Stop``: the grace before SIGKILL, a hang's stacks, a planned
+    stop's persist, the ranks an in-process recovery keeps."""
+    faulted = s.recovery is not None and not s.growing  # growth: workers save, then exit
+    grace = cfg.timeouts.fault_stop_grace_s if faulted else cfg.timeouts.stop_grace_s
+    cause = s.recovery.fault.cause if faulted and s.recovery is not None else None
+    if cause == FaultCause.SDC:
+        # Corrupt state: SIGKILL at once. A script that saves on SIGTERM would persist
+        # it, and retention would drop the good step the rollback needs to make room.
+        grace = 0.0
+    hang = cause == FaultCause.HANG
+    persist = None
+    if s.persist is not None:  # persist this snapshot from memory (a planned stop)
+        persist = (int(s.persist["step"]), int(s.persist["generation"]))
+    keep = s.recovery.kept if faulted and s.recovery is not None else []
+    if keep:
+        grace = 0.0  # the failed ranks: nothing to save, their survivors wait on them
+    return Stop(
+        generation=s.generation, grace_s=grace, dump_stacks=hang, persist=persist,
+        keep=list(keep), abort_timeout_s=cfg.timeouts.inprocess_abort_s,
+    )  # fmt: skip

@@ -156,7 +156,13 @@ def detect_fault(
     fault = _node_fault(s, obs, now, cfg)
     if fault is not None:
         return fault
-    failed = [(w.exited_at or now, n, w) for n, w in workers if w.state == "failed"]
+    # A parked rank (in process) left its training function on a failed collective: a victim
+    # whose process lives on, as a failed one is a victim whose process exited.
+    failed = [
+        (w.exited_at or w.parked_at or now, n, w)
+        for n, w in workers
+        if w.state in ("failed", "parked")
+    ]
     if failed:
         return _exit_fault(s, now, cfg, workers, failed)
     return (
@@ -194,7 +200,7 @@ def _exit_fault(
     """The first failed worker that is not a victim of a peer's death; None while only
     victims have failed, for a moment (the culprit's report, or its node's loss, follows)."""
     gen = s.generation
-    culprits = [f for f in failed if not victim(f[2].error)]
+    culprits = [f for f in failed if f[2].state == "failed" and not victim(f[2].error)]
     if not culprits and now - min(f[0] for f in failed) < 2 * cfg.timeouts.heartbeat_s:
         return None  # only victims so far: give the culprit's report (or node loss) a moment
     if not culprits:
@@ -212,6 +218,9 @@ def _exit_fault(
             why += "early); they lost their connection to it"
             return _worker_fault(gen, n, w, t, now, FaultCause.WORKER_EXIT, why.format(w.step))
     t, n, w = min(culprits or failed, key=lambda x: x[0])
+    if w.state == "parked":  # no culprit seen: the peer's node may have gone silent
+        what = f"parked on a failed collective: {w.error or 'no reason given'}"
+        return _worker_fault(gen, n, w, t, now, FaultCause.COLLECTIVE, what)
     code = w.exit_code or 0
     cause = FaultCause.WORKER_CRASH if code < 0 else FaultCause.WORKER_EXIT
     what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
@@ -293,7 +302,8 @@ def blame_lost_node(
     assert s.recovery is not None
     fault = s.recovery.fault
     lost = lost_nodes(s, obs, now, cfg)
-    if fault.cause != FaultCause.NODE_LOST and lost and victim(fault.message):
+    seen_as_victim = fault.cause == FaultCause.COLLECTIVE or victim(fault.message)
+    if fault.cause != FaultCause.NODE_LOST and lost and seen_as_victim:
         fault.cause, fault.node_id, fault.rank = FaultCause.NODE_LOST, lost[0], None
         fault.message = f"node {lost[0]} lost; first seen as: {fault.message}"
         events.append(("fault_refined", fault.to_json()))

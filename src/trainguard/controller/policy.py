@@ -189,7 +189,9 @@ def replace_and_restart(
         )
     else:
         s.restarts += 1
-        why = f"restart {s.restarts} of {cfg.restart.max_restarts}"
+        inproc = s.recovery is not None and s.recovery.mode == "inprocess"
+        kind = "in-process recovery" if inproc else "restart"  # both spend the restart budget
+        why = f"{kind} {s.restarts} of {cfg.restart.max_restarts}"
     start_generation(s, obs, cfg, now, events, durable, why)
 
 

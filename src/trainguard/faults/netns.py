@@ -78,6 +78,19 @@ class Hosts:
         """Bring host ``i``'s link back up."""
         _ip("-n", self.names[i], "link", "set", "eth0", "up")
 
+    def partition(self, i: int, j: int) -> None:
+        """Cut hosts ``i`` and ``j`` off from each other only: a blackhole route to the other's
+        address in each namespace (packets dropped without an error, as on a failed switch
+        port; established connections stall until their timeouts). Both still reach the
+        bridge's ``.1`` and every other host."""
+        _ip("-n", self.names[i], "route", "add", "blackhole", f"{self.addrs[j]}/32")
+        _ip("-n", self.names[j], "route", "add", "blackhole", f"{self.addrs[i]}/32")
+
+    def unpartition(self, i: int, j: int) -> None:
+        """Undo ``partition(i, j)``."""
+        _ip("-n", self.names[i], "route", "del", "blackhole", f"{self.addrs[j]}/32", check=False)
+        _ip("-n", self.names[j], "route", "del", "blackhole", f"{self.addrs[i]}/32", check=False)
+
     def down(self) -> None:
         for i, ns in enumerate(self.names):
             for _ in range(50):

@@ -21,7 +21,9 @@ from rich.table import Table
 from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.store import open_readonly, read_events, read_kv
 from trainguard.faults.inject import InjectSpec
+from trainguard.observe import local
 from trainguard.observe.console import console, styled
+from trainguard.observe.processes import processes
 
 PHASES = RECOVERY_PHASES
 ONE_SHOT = ("kill", "exit", "hang", "node-down", "hang-collective")  # drills that report firing
@@ -218,10 +220,16 @@ def _preflight(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _recoveries(recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each recovery: its fault, generations, restore step and tiers, steps lost, phases."""
+def _recoveries(
+    recoveries: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each recovery: its fault, mode, generations, restore step and tiers, steps lost, the
+    processes kept and new, phases."""
     return [
         {
+            "mode": r.get("mode", "restart"),
+            "mode_reason": r.get("mode_reason", ""),
+            **processes(r, events),
             "fault": r["fault"]["cause"],
             "rank": r["fault"]["rank"],
             "node": r["fault"]["node_id"],
@@ -295,7 +303,12 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             for e in events
             if e["kind"] == "node_at_risk"
         ],
-        "recoveries": _recoveries(recoveries),
+        "recoveries": _recoveries(recoveries, events),
+        "local": {
+            "recoveries": local.local_recoveries(events),
+            "reduced_width": local.reduced_width(events, rows[-1][0] if rows else None),
+            "fallbacks": local.fallbacks(events),
+        },
     }
 
 
@@ -324,8 +337,57 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
     _print_faults(con, rep)
     if rep["alerts"]:
         _print_alerts(con, rep["alerts"])
-    _print_recoveries(con, rep["recoveries"])
+    if rep["recoveries"]:  # none: no empty table (a fault-free or a local-recovery job)
+        _print_recoveries(con, rep["recoveries"])
+    _print_modes(con, rep["recoveries"])
+    _print_local(con, rep["local"])
     return 0
+
+
+def _print_local(con: Console, rep: dict[str, Any]) -> None:
+    """Local recovery: a line per group restart, the steps at reduced width, the fallbacks."""
+    for r in rep["recoveries"]:
+        heal = r["heal"]
+        back = (
+            f"back in {r['rejoined_s']:.2f} s at step {heal['step']}, healed from group "
+            f"{heal['source_group']} ({heal['bytes']:,} bytes in {heal['seconds']:.3f} s)"
+            if heal is not None and r["rejoined_s"] is not None
+            else "not back"
+        )
+        con.print(f"local recovery: replica group {r['group']} ({r['reason']}): {back}")
+    steps = rep["reduced_width"]
+    if steps:
+        batches = sum(len(s["missing_batches"]) for s in steps)
+        con.print(
+            styled(("reduced width: ", "yellow"),
+                   f"{len(steps)} step(s) ({steps[0]['step']}–{steps[-1]['step']}) trained "
+                   f"without some groups; {batches} batch(es) not trained (report --json: "
+                   "local.reduced_width)")
+        )  # fmt: skip
+    for f in rep["fallbacks"]:
+        con.print(f"global recovery instead: replica group {f['group']} ({f['reason']}): "
+                  f"{f['because']}")  # fmt: skip
+
+
+def _pids(procs: dict[str, int]) -> str:
+    return ", ".join(
+        f"{r} (pid {pid})" for r, pid in sorted(procs.items(), key=lambda x: int(x[0]))
+    )
+
+
+def _print_modes(con: Console, recoveries: list[dict[str, Any]]) -> None:
+    """Per recovery, how it recovered: in process (the ranks kept, with their pids, and the new
+    ones) or a restart of every rank, and why; each kept rank that was killed instead."""
+    for r in recoveries:
+        gen = f"{r['from_generation']}→{r['to_generation']}"
+        if r.get("mode") == "inprocess":
+            con.print(f"{gen} in process: kept rank(s) {_pids(r.get('kept') or {}) or '—'}; "
+                      f"new: {_pids(r.get('new') or {}) or '—'}")  # fmt: skip
+        else:
+            con.print(f"{gen} restart of every rank: {r.get('mode_reason') or 'restart path'}")
+        for e in r.get("escalated") or []:
+            con.print(styled(f"{gen} escalated rank {e['rank']} to a restart: ",
+                             (str(e["reason"]), "yellow")))  # fmt: skip
 
 
 def _print_job(con: Console, rep: dict[str, Any]) -> None:
@@ -454,13 +516,15 @@ def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
         rows.append(
             (
                 f"{r['from_generation']}→{r['to_generation']}",
+                "in-proc" if r.get("mode") == "inprocess" else "restart",
+                f"{len(r.get('kept') or {})}/{len(r.get('new') or {})}",
                 str(r["restore_step"]),
                 _tiers_cell(tiers),
                 str(r["steps_lost"]),
                 *(_fmt(r["phases_s"].get(p)) for p in PHASES),
             )
         )
-    heads = ("gen", "restore", "from", "lost", *PHASES)
+    heads = ("gen", "mode", "kept/new", "restore", "from", "lost", *PHASES)
     if con.width >= 130 or not rows:
         rec = Table(title=title)
         for col in heads:

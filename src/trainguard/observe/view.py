@@ -19,6 +19,8 @@ from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.monitor import ALERT_KINDS
 from trainguard.controller.store import open_readonly, read_events, read_kv
+from trainguard.observe import local
+from trainguard.observe.processes import processes
 from trainguard.protocol import StepRecord
 
 TIER_EVENTS = {  # tier → the event that says a step is held there
@@ -85,11 +87,16 @@ def build_view(run_dir: Path, *, max_points: int = 2000) -> dict[str, Any]:
         "nodes": _nodes(state, events),
         "lists": pool_lists(state.get("pools", {})),
         "loss": _thin(loss, max_points),
+        # local recovery: steps trained without every replica group (marked on the loss curve)
+        "reduced_width": [
+            [r["step"], r["width"], r["missing_groups"]]
+            for r in local.reduced_width(events, steps[-1][2] if steps else None)
+        ][-max_points:],
         "throughput_unit": "tokens/s" if any(r[6] for r in steps) else "steps/s",
         "throughput": _thin(throughput, max_points),
         "ranks": _ranks(rows),
         "stragglers": _stragglers(rows, cfg, max_points),
-        "recoveries": _recoveries(state),
+        "recoveries": _recoveries(state, events),
         "checkpoints": _tiers(events),
         "goodput": _goodput(rank0, kept, state, t0, t1, _preflight_s(events)),
         "alerts": [e for e in events if e["kind"] in ALERT_KINDS][-50:],
@@ -147,8 +154,9 @@ def _stragglers(
     return {r: _thin(pts, max_points) for r, pts in series.items()}
 
 
-def _recoveries(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each fault with its phases as [name, start, end] (wall clock; missing marks skipped)."""
+def _recoveries(state: dict[str, Any], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each fault with its phases as [name, start, end] (wall clock; missing marks skipped),
+    its mode (in process or restart) and the processes it kept and started."""
     out = []
     attempts = list(state.get("recoveries", []))
     if state.get("recovery"):
@@ -175,6 +183,9 @@ def _recoveries(state: dict[str, Any]) -> list[dict[str, Any]]:
                 "steps_lost": r.get("steps_lost"),
                 "phases": phases,
                 "total_s": (r.get("durations_s") or {}).get("total"),
+                "mode": r.get("mode", "restart"),
+                "mode_reason": r.get("mode_reason", ""),
+                **processes(r, events),
             }
         )
     return out

@@ -22,6 +22,7 @@ class WorkerState(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+    PARKED = "parked"  # left its training function after a fault; waits to resume (in process)
 
 
 class ProtocolError(ValueError):
@@ -66,3 +67,4 @@ class FaultCause(enum.StrEnum):
     NODE_LOST = "node_lost"  # no heartbeat for node_timeout_s, or a rebooted agent
     NODE_FENCED = "node_fenced"  # the node stopped its workers: it lost the controller
     RENDEZVOUS_TIMEOUT = "rendezvous_timeout"  # not every rank started in time
+    COLLECTIVE = "collective"  # a collective failed on a rank that lives on (in process)

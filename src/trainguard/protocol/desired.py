@@ -93,12 +93,16 @@ class Check:
 class Stop:
     """Stop generation ``generation``'s workers: SIGTERM, SIGKILL after ``grace_s`` seconds;
     ``dump_stacks``: take every rank's stack first (a hang); ``persist``: (step, generation)
-    the node's ckptd persists from memory (a planned stop)."""
+    the node's ckptd persists from memory (a planned stop); ``keep``: ranks whose processes
+    survive (in-process recovery: aborted, parked, resumed by the next ``Run``; the others are
+    killed at once), each killed if it has not parked within ``abort_timeout_s``."""
 
     generation: int
     grace_s: float
     dump_stacks: bool = False
     persist: tuple[int, int] | None = None
+    keep: list[int] = dataclasses.field(default_factory=list)
+    abort_timeout_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,6 +144,11 @@ class Run:
     replica_peers: list[str]
     replica_sources: dict[str, str]
     probe_every_s: float = 0.0  # in-job known-answer GEMM probe period (agent/probe.py); 0: off
+    # Local recovery (runtime/replica.py): replica groups (1: off), restarts of one group the
+    # agent heals from a peer before a fault is the controller's, the groups' quorum deadline
+    replica_groups: int = 1
+    replica_max_local_restarts: int = 10
+    replica_timeout_s: float = 30.0
 
 
 Desired = Run | Stop | Idle | Check | Shutdown
@@ -160,6 +169,8 @@ def desired_to_json(d: Desired) -> dict[str, Any]:
     if isinstance(d, Run):
         out["injects"] = [i.to_json() for i in d.injects]
     if isinstance(d, Stop):
+        if not d.keep:  # a restart of every rank: the wire form as before in-process recovery
+            del out["keep"], out["abort_timeout_s"]
         if d.persist is None:
             del out["persist"]
         else:
@@ -186,6 +197,11 @@ def desired_from_json(body: Any) -> Desired:
             args["persist"] = (int(p["step"]), int(p["generation"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"desired.persist: step and generation integers ({e!r})") from None
+    if kind is Stop:
+        keep, t = args.get("keep", []), args.get("abort_timeout_s", 10.0)
+        _need(isinstance(keep, list) and all(type(r) is int for r in keep),
+              "desired.keep: a list of ranks (integers)")  # fmt: skip
+        _need(type(t) in (int, float) and 0 < t < 86400, "desired.abort_timeout_s: 0 < s < 1 day")
     if kind is Check and "task" in args:
         args["task"] = CheckTask.from_json(args["task"])
     if kind is Run and isinstance(args.get("injects"), list):

@@ -110,6 +110,9 @@ class WorkerReport:
     runtime: bool = False  # its script runs trainguard's runtime (heartbeats seen)
     cpu_idle_s: float | None = None  # since its process tree last used CPU (agent/outside.py)
     in_trainguard: bool = False  # waiting inside trainguard (keep-alives): not a hang
+    inprocess: bool = False  # its script runs under trainguard.run: it can recover in process
+    resumed_from: int | None = None  # the generation this process ran before (in process)
+    parked_at: float | None = None  # wall clock, when it parked (in process)
 
     def to_json(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _WORKER_FIELDS}

@@ -53,7 +53,9 @@ class Heartbeat:
     (None before the first); ``coll`` (issued, completed) collectives; ``cpu_s`` CPU seconds
     of the main thread (None where the OS cannot tell); ``fingerprint`` a hash of where the
     main thread is (None when it could not be taken); ``phase`` the innermost open
-    ``rt.phase``; ``total_steps`` the step the script ends at, if it said."""
+    ``rt.phase``; ``total_steps`` the step the script ends at, if it said; ``inprocess``: the
+    script runs under ``trainguard.run`` (it can recover in process); ``parked``: it left its
+    training function after a fault and waits for the agent's ``Resume``."""
 
     ts: float
     step: int | None = None
@@ -62,9 +64,13 @@ class Heartbeat:
     fingerprint: int | None = None
     phase: str | None = None
     total_steps: int | None = None
+    inprocess: bool = False
+    parked: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"t": "hb", "ts": self.ts, "step": self.step, "cpu": self.cpu_s}
+        if self.inprocess:
+            out["inproc"] = 2 if self.parked else 1
         if self.coll is not None:
             out["coll"] = list(self.coll)
         if self.fingerprint is not None:
@@ -79,6 +85,7 @@ class Heartbeat:
     def from_json(cls, body: dict[str, Any]) -> Heartbeat:
         ts, step, coll, cpu = body.get("ts"), body.get("step"), body.get("coll"), body.get("cpu")
         fp, phase, total = body.get("fp"), body.get("phase"), body.get("total")
+        inproc = body.get("inproc", 0)
         _need(_num(ts), "hb.ts: seconds since the epoch")
         _need(step is None or _int(step), "hb.step: an integer or null")
         _need(
@@ -89,6 +96,7 @@ class Heartbeat:
         _need(fp is None or _int(fp), "hb.fp: an integer or absent")
         _need(phase is None or isinstance(phase, str), "hb.phase: a string or absent")
         _need(total is None or _int(total), "hb.total: an integer or absent")
+        _need(inproc in (0, 1, 2) and _int(inproc), "hb.inproc: 0, 1 (in process) or 2 (parked)")
         return cls(
             ts=float(ts),
             step=step,
@@ -97,6 +105,8 @@ class Heartbeat:
             fingerprint=fp,
             phase=phase,
             total_steps=total,
+            inprocess=inproc > 0,
+            parked=inproc == 2,
         )
 
 

@@ -28,5 +28,11 @@ ENV_MEMORY_TIER = "TRAINGUARD_MEMORY_TIER"  # "0" = durable-only checkpoints
 ENV_JOB_ID = "TRAINGUARD_JOB_ID"  # short job id (names shm slots)
 ENV_NODE_ID = "TRAINGUARD_NODE_ID"  # this node's id
 ENV_REPLICA_SOURCE = "TRAINGUARD_REPLICA_SOURCE"  # host:port of a ckptd holding our replica
+# Local recovery (runtime/replica.py): G replica groups ("1": off); which restart of its group
+# this process is ("0": the generation's start); the quorum's and cross-group collectives'
+# deadline in seconds
+ENV_REPLICA_GROUPS = "TRAINGUARD_REPLICA_GROUPS"
+ENV_REPLICA_INCARNATION = "TRAINGUARD_REPLICA_INCARNATION"
+ENV_REPLICA_TIMEOUT_S = "TRAINGUARD_REPLICA_TIMEOUT_S"
 
 DEFAULT_HEARTBEAT_S = 0.5

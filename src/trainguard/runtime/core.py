@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,55 @@ class Runtime:
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
         env = dict(os.environ if env is None else env)
+        self._read_env(env)
+        self._heartbeat_s = float(env.get(api.ENV_HEARTBEAT_S, api.DEFAULT_HEARTBEAT_S))
+        # What the training thread queues for the reporter: a step's record as it is (one
+        # object built per step), the other messages as sent.
+        self._queue: queue.SimpleQueue[Item | StepTuple] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._sock: socket.socket | None = None
+        self._agent: tuple[str, int] | None = None
+        self._token = b""
+        self._thread: threading.Thread | None = None
+        self.timing = True  # sections and collectives timed (False: skipped, for A/B)
+        self._sec_lock = threading.Lock()  # collectives complete on gloo's threads
+        self._send_lock = threading.Lock()  # a batch leaves under the generation it was made in
+        self._main_ident = threading.main_thread().ident
+        self.total_steps: int | None = None  # the step the script ends at, if it said
+        self._wrong_gemm: Any = None  # the gemm-wrong drill's mode, once it fired
+        # In-process recovery (runtime/inprocess.py): the script runs under trainguard.run;
+        # parked: it left its training function after a fault and waits for a Resume.
+        self.inprocess = False
+        self.parked = False
+        # What the training function made that an in-process recovery must release
+        # (Checkpointers: their slots, ckptd connection, optimizer hooks).
+        self.owned: weakref.WeakSet[Any] = weakref.WeakSet()
+        addr = env.get(api.ENV_AGENT_ADDR)
+        if addr:
+            host, _, port = addr.rpartition(":")
+            self._agent = (host, int(port))
+            self._token = bytes.fromhex(env.get(api.ENV_TOKEN, ""))
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            # Bound now (not at the first send): the agent answers to this address (Abort,
+            # Resume: protocol/control.py).
+            self._sock.bind((host, 0))
+            self._thread = threading.Thread(
+                target=self._report_loop, name="trainguard-reporter", daemon=True
+            )
+            self._thread.start()
+            # The reporter is a daemon thread: at exit, what it has not sent yet (the last
+            # steps of a script that ends right after them) is sent here, or the controller
+            # would judge the ranks by a step they passed long ago ("stopped early").
+            atexit.register(self._flush)
+        for spec in self._injects:  # a node's defect: its GEMMs stay wrong (once a process)
+            due = (spec.step or 0) <= self.next_step()
+            if spec.kind == "gemm-wrong" and self._wrong_gemm is None and due:
+                self._gemm_goes_wrong(spec, self.next_step() - 1)
+
+    def _read_env(self, env: dict[str, str]) -> None:
+        """This process's rank, world, generation, restore point and drills from ``env``, and
+        every per-generation counter at its start (``__init__``, and ``reset`` when an
+        in-process recovery resumes the script as a new generation)."""
         self.rank = int(env.get("RANK", "0"))
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
@@ -69,24 +119,13 @@ class Runtime:
         self.run_dir: str | None = env.get(api.ENV_RUN_DIR) or None
         restore = env.get(api.ENV_RESTORE_STEP, "")
         self.restore_step: int | None = int(restore) if restore else None
-        self._heartbeat_s = float(env.get(api.ENV_HEARTBEAT_S, api.DEFAULT_HEARTBEAT_S))
         self._node_id = env.get(api.ENV_NODE_ID, "")
         self._injects = [s for s in loads(env.get(api.ENV_INJECT, "")) if self._targets_me(s)]
         self._last_end = time.time()
         self._last_step: int | None = None
         self._slow_debt_s = 0.0
-        self._steps_ended = 0  # in this process (its first step includes start-up)
-        # What the training thread queues for the reporter: a step's record as it is (one
-        # object built per step), the other messages as sent.
-        self._queue: queue.SimpleQueue[Item | StepTuple] = queue.SimpleQueue()
-        self._closed = threading.Event()
-        self._sock: socket.socket | None = None
-        self._agent: tuple[str, int] | None = None
-        self._token = b""
-        self._thread: threading.Thread | None = None
-        self.timing = True  # sections and collectives timed (False: skipped, for A/B)
+        self._steps_ended = 0  # in this generation (its first step includes start-up)
         self._sections: dict[str, float] = {}  # this step's seconds per section
-        self._sec_lock = threading.Lock()  # collectives complete on gloo's threads
         # Collectives issued and completed by this rank (hang localization: the rank that did
         # not issue the collective the others wait in is the one holding them).
         self.coll_issued = 0
@@ -94,26 +133,17 @@ class Runtime:
         self._first_issue: float | None = None
         self._last_done: float | None = None  # when its newest collective completed
         self._gap: float | None = None
-        self._main_ident = threading.main_thread().ident
-        self.total_steps: int | None = None  # the step the script ends at, if it said
         self._phases: list[str] = []  # open rt.phase(...) blocks, innermost last
-        self._wrong_gemm: Any = None  # the gemm-wrong drill's mode, once it fired
-        addr = env.get(api.ENV_AGENT_ADDR)
-        if addr:
-            host, _, port = addr.rpartition(":")
-            self._agent = (host, int(port))
-            self._token = bytes.fromhex(env.get(api.ENV_TOKEN, ""))
-            self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._thread = threading.Thread(
-                target=self._report_loop, name="trainguard-reporter", daemon=True
-            )
-            self._thread.start()
-            # The reporter is a daemon thread: at exit, what it has not sent yet (the last
-            # steps of a script that ends right after them) is sent here, or the controller
-            # would judge the ranks by a step they passed long ago ("stopped early").
-            atexit.register(self._flush)
-        for spec in self._injects:
-            if spec.kind == "gemm-wrong" and (spec.step or 0) <= self.next_step():
+
+    def reset(self, env: dict[str, str]) -> None:
+        """Become generation ``env``'s (an in-process recovery resumes the script): what was
+        queued for the old generation leaves under it first, then every counter restarts."""
+        with self._send_lock:
+            self._drain_locked()
+            self._read_env(env)
+        for spec in self._injects:  # a node's defect: its GEMMs stay wrong (once a process)
+            due = (spec.step or 0) <= self.next_step()
+            if spec.kind == "gemm-wrong" and self._wrong_gemm is None and due:
                 self._gemm_goes_wrong(spec, self.next_step() - 1)
 
     @property
@@ -334,12 +364,13 @@ class Runtime:
                     batch.append(self._queue.get_nowait())
             except queue.Empty:
                 pass
-            if time.monotonic() >= next_beat:
-                batch.append(self._beat())
-                next_beat = time.monotonic() + self._heartbeat_s
-            # Agent gone: heartbeats resume if it returns; nothing is lost here.
-            with contextlib.suppress(OSError):
-                self._send_now(_batch(batch))
+            with self._send_lock:  # reset() changes the generation between batches only
+                if time.monotonic() >= next_beat:
+                    batch.append(self._beat())
+                    next_beat = time.monotonic() + self._heartbeat_s
+                # Agent gone: heartbeats resume if it returns; nothing is lost here.
+                with contextlib.suppress(OSError):
+                    self._send_now(_batch(batch))
 
     def _beat(self) -> Heartbeat:
         fingerprint = None
@@ -355,6 +386,8 @@ class Runtime:
             fingerprint=fingerprint,
             phase=self._phases[-1] if self._phases else None,
             total_steps=self.total_steps,
+            inprocess=self.inprocess,
+            parked=self.parked,
         )
 
     def _main_fingerprint(self) -> int:
@@ -395,6 +428,10 @@ class Runtime:
 
     def _flush(self) -> None:
         """Send every queued report now (atexit; bounded by the queue's length)."""
+        with self._send_lock:
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
         batch: list[Item | StepTuple] = []
         with contextlib.suppress(queue.Empty, OSError):
             while True:
