@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import BatchSampler, load_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from train import add_model_args  # noqa: E402
 
 import trainguard  # noqa: E402
 from trainguard import replica  # noqa: E402
@@ -39,19 +40,7 @@ from trainguard import replica  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--data", default=None, help="text file or directory (default: stdlib)")
-    p.add_argument("--data-max-bytes", type=int, default=4 << 20)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--durable-every", type=int, default=10, help="persist every K-th step")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    add_model_args(p)  # train.py's: the same model, data and optimizer flags
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")

@@ -47,8 +47,8 @@ from model import GPT, GPTConfig  # noqa: E402
 import trainguard  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the run's length, data, model and optimizer (``replicas.py`` shares them)."""
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument(
@@ -62,9 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--ckpt-every", type=int, default=1, help="snapshot every K steps (0 = never)")
     p.add_argument("--durable-every", type=int, default=10, help="persist every K-th step to disk")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--ckpt-every", type=int, default=1, help="snapshot every K steps (0 = never)")
     p.add_argument(
         "--timing-ab",
         type=int,
