@@ -151,3 +151,18 @@ def test_the_recoveries_table_names_every_tier_that_served_a_rank(
     s.close()
     assert print_report(tmp_path, as_json=False) == 0
     assert "mem 2/replica 2/disk 0" in capsys.readouterr().out
+
+
+def test_a_job_without_faults_says_so_and_a_job_that_failed_early_names_no_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No empty faults table; no Python ``None`` for a last step that never came."""
+    s = Store(tmp_path)
+    s.record("job_started", {}, ts=1.0)
+    s.put("state", {"phase": "FAILED", "reason": "user error", "incarnation": 1,
+                    "generation": 1, "fired": [], "pools": {}, "recoveries": []})  # fmt: skip
+    s.close()
+    assert print_report(tmp_path, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "faults: none" in out and "faults: 0" not in out
+    assert "(last —)" in out and "None" not in out

@@ -465,12 +465,15 @@ def run_command(args: argparse.Namespace) -> int:
 
 def finish(cfg: JobConfig, state: JobState, sig: int) -> int:
     """Print the report and the outcome; returns the exit status (0, 128+signal, or 1)."""
-    from trainguard.observe.report import print_report
+    from trainguard.observe.report import build_report, show_report
 
-    print_report(Path(cfg.run_dir), as_json=False)
+    rep = build_report(Path(cfg.run_dir))
+    show_report(rep)
     if state.phase == Phase.SUCCEEDED:
+        local = len(rep["local"]["recoveries"])
+        also = f" and {local} replica group restart(s) (local recovery)" if local else ""
         print(
-            f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies); "
+            f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies){also}; "
             f"report: trainguard report --run-dir {cfg.run_dir}",
             file=sys.stderr,
         )

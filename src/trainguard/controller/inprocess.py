@@ -53,7 +53,7 @@ def plan(
                    and not w.inprocess)  # fmt: skip
     if plain:
         shown = ", ".join(map(str, plain[:8])) + (", …" if len(plain) > 8 else "")
-        return [], f"rank(s) {shown} run a script without trainguard.run: restart"
+        return [], f"rank(s) {shown} run a script without trainguard.run"
     keep = sorted(w.rank for _, w in alive)
     if not keep:
         return [], "no rank survived"

@@ -135,9 +135,9 @@ def _drills(
     unseen = []
     if not rows and first_gen is not None:
         unseen.append(
-            "steps: the script reported none (it does not call trainguard.init or a "
-            "Checkpointer), so there is no step progress, goodput or step-based drill; hangs "
-            "were judged from process state and CPU time only"
+            "steps: the script reported none (it calls neither trainguard.init nor a "
+            "Checkpointer, or it failed before its first step), so there is no step progress, "
+            "goodput or step-based drill; hangs were judged from process state and CPU time only"
         )
     for d in drills:
         if not d["fired"] and ":step=" in d["inject"] and not rows:
@@ -317,16 +317,23 @@ def _fmt(v: float | None) -> str:
 
 
 def print_report(run_dir: Path, *, as_json: bool) -> int:
+    """Print the report of ``run_dir`` (text, or JSON with ``as_json``); returns 0."""
     rep = build_report(run_dir)
     if as_json:
         print(json.dumps(rep, indent=2))
         return 0
+    show_report(rep)
+    return 0
+
+
+def show_report(rep: dict[str, Any]) -> None:
+    """Print ``build_report``'s report as text."""
     con = console()
     con.print(styled(("trainguard report", "bold"), f" {rep['run_dir']}"))
     if rep["kind"] == "check":
         con.print(f"pre-flight check (trainguard check): {rep['reason']}")
         _print_preflight(con, rep)
-        return 0
+        return
     _print_job(con, rep)
     _print_sdc(con, rep["sdc"])
     for r in rep["at_risk"]:
@@ -341,7 +348,10 @@ def print_report(run_dir: Path, *, as_json: bool) -> int:
         _print_recoveries(con, rep["recoveries"])
     _print_modes(con, rep["recoveries"])
     _print_local(con, rep["local"])
-    return 0
+
+
+def _or_dash(v: object) -> str:
+    return "—" if v is None else str(v)
 
 
 def _print_local(con: Console, rep: dict[str, Any]) -> None:
@@ -349,8 +359,8 @@ def _print_local(con: Console, rep: dict[str, Any]) -> None:
     for r in rep["recoveries"]:
         heal = r["heal"]
         back = (
-            f"back in {r['rejoined_s']:.2f} s at step {heal['step']}, healed from group "
-            f"{heal['source_group']} ({heal['bytes']:,} bytes in {heal['seconds']:.3f} s)"
+            f"back in {r['rejoined_s']:.2f} s with group {heal['source_group']}'s state after "
+            f"step {heal['step']} ({heal['bytes']:,} bytes in {heal['seconds']:.3f} s)"
             if heal is not None and r["rejoined_s"] is not None
             else "not back"
         )
@@ -401,7 +411,8 @@ def _print_job(con: Console, rep: dict[str, Any]) -> None:
         )
     goodput = "unknown (no steps reported)" if rep["goodput"] is None else f"{rep['goodput']:.1%}"
     con.print(
-        f"steps completed: {len(rep['steps_completed'])} (last {rep['last_step']}) in {rep['generations']} "
+        f"steps completed: {len(rep['steps_completed'])} (last {_or_dash(rep['last_step'])}) "
+        f"in {rep['generations']} "
         f"generation(s); wall time {rep['wall_time_s']:.1f}s (pre-flight {rep['preflight_s']:.1f}s, "
         f"not counted); productive step time {rep['productive_step_time_s']:.1f}s; "
         f"goodput (ETTR) {goodput}"
@@ -454,6 +465,13 @@ def _print_sdc(con: Console, sdc: list[dict[str, Any]]) -> None:
 
 def _print_faults(con: Console, rep: dict[str, Any]) -> None:
     """The faults' table, then each hang with the stack of the rank that held the others."""
+    if not rep["faults"]:  # no empty table; a replica group's own restarts are listed below
+        local = len(rep["local"]["recoveries"])
+        con.print(
+            "faults: none"
+            if not local
+            else f"faults: none that stopped the job ({local} replica group restart(s) below)"
+        )
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
         faults.add_column(col)
@@ -466,7 +484,8 @@ def _print_faults(con: Console, rep: dict[str, Any]) -> None:
             str(f["step"]),
             next(iter((f["message"] or "").splitlines()), "")[:100],
         )
-    con.print(faults)
+    if rep["faults"]:
+        con.print(faults)
     for h in rep["hangs"]:
         con.print(f"hang in generation {h['generation']}: {h['message']}")
         con.print(f"  stack of rank {h['rank']} ({str(h['node'])}), the rank that held the others:")
