@@ -75,6 +75,35 @@ def test_a_parked_victim_alone_is_kept_and_a_lost_node_drops_its_ranks() -> None
         s = sim.tick(0.1, seen=("node0",))
     assert s.recovery is not None and s.recovery.kept == [0], s.recovery
     assert s.recovery.fault.cause.value == "node_lost"
+    assert s.recovery.mode_reason == (
+        "1 surviving rank(s) keep their processes; the ranks of lost node(s) node1 restart"
+    )
+
+
+def test_without_a_checkpoint_to_restore_every_rank_restarts() -> None:
+    """A fault before any checkpoint: a kept process would carry the state it trained (a model
+    made outside the training function) into a generation that starts from step 0. The
+    recovery becomes a restart, and the Run has no restore point (agents resume nothing)."""
+    sim = Sim(cfg(nodes=2), 2)
+    s = _crash_opted_in(sim)  # no checkpoint: sim.ckpt is empty
+    assert s.recovery is not None and s.recovery.mode == "inprocess"
+    for _ in range(5):
+        sim.ack_stop()
+        s = sim.tick()
+    assert s.generation == 1 and s.recovery is not None, s.phase
+    assert s.recovery.mode == "restart" and s.recovery.kept == []
+    assert s.recovery.mode_reason.startswith("no checkpoint every rank agrees on yet")
+    run = desired_for(s, "node0", sim.obs, sim.c)
+    assert run["action"] == "run" and run["restore_step"] is None
+
+    sim = Sim(cfg(nodes=2), 2)  # the same fault with step 4 saved: in process
+    sim.ckpt = [(4, 0)]
+    s = _crash_opted_in(sim)
+    for _ in range(5):
+        sim.ack_stop()
+        s = sim.tick()
+    assert s.generation == 1 and s.recovery is not None
+    assert s.recovery.mode == "inprocess" and s.recovery.kept == [0] and s.restore_step == 4
 
 
 def test_stop_and_control_wires_round_trip_and_refuse_nonsense() -> None:
@@ -163,3 +192,25 @@ def test_orphan_multiprocessing_semaphores_are_dropped_and_live_ones_kept(tmp_pa
     live.unlink()
     young.unlink()
     del real_lock
+
+
+def test_a_fault_during_a_recovery_keeps_the_first_fault_on_record() -> None:
+    """Rank 0 dies while generation 1 (the recovery from rank 1's crash) has not made its first
+    step: both faults are on record (the report lists every fault), the first as an attempt
+    that never reached its first step."""
+    sim = Sim(cfg(nodes=2), 2)
+    sim.ckpt = [(4, 0)]
+    s = _crash_opted_in(sim)
+    for _ in range(5):
+        sim.ack_stop()
+        s = sim.tick()
+    assert s.generation == 1 and s.recovery is not None
+    sim.run_generation()
+    _opt_in(sim)
+    w = sim.worker("node0")
+    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+    s = sim.tick()
+    assert s.recovery is not None and s.recovery.fault.generation == 1
+    assert [(r.fault.generation, r.fault.rank, r.t_first_step) for r in s.recoveries] == [
+        (0, 1, None)
+    ]

@@ -417,8 +417,10 @@ class Agent:
             spec = self._spec(d, local_rank)
             ranks.append((int(spec["env"]["RANK"]), local_rank, spec))
         self.local.start(d)
-        same_world = self.group.parked_world == d.world_size
-        self.group.start(gen, ranks, resume=self.inproc.resume(gen) if same_world else None)
+        # A parked process resumes into the same rank of a world of the same size, restoring a
+        # checkpoint: without a restore point it would keep the state it trained past step 0.
+        resumable = self.group.parked_world == d.world_size and d.restore_step is not None
+        self.group.start(gen, ranks, resume=self.inproc.resume(gen) if resumable else None)
         log.info("[gen %d node %s] started ranks %s", gen, self.cfg.node_id, sorted(self.workers))
         self._report_now.set()
         if d.restore_step is not None and d.restore_gen is not None and d.ckpt.memory_tier:

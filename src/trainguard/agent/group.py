@@ -164,7 +164,8 @@ class WorkerGroup:
             self._on_event(
                 "worker_started", generation=generation, rank=rank, pid=proc.pid, log=spec["log"]
             )
-        self._kill_parked(parked, "the next generation did not resume it")
+        self._kill_parked(parked, "the next generation did not resume it (another world size, "
+                          "or no checkpoint to restore)")  # fmt: skip
 
     def replace(self, rank: int, local_rank: int, spec: dict[str, Any], **why: Any) -> None:
         """A new process for ``rank`` in the running generation (local recovery: its replica

@@ -71,6 +71,13 @@ class InProcessStops:
             w = group.workers[rank]
             if w.state != "running":  # parked, or its process ended meanwhile
                 del self._aborting[rank]
+                if w.state != "parked":  # e.g. the script caught the error and returned
+                    self._on_event(
+                        "inprocess_escalated", generation=d.generation, rank=rank,
+                        pid=w.proc.pid, reason=f"its process exited (status {w.exit_code}) "
+                        "instead of parking (the script's training function caught the "
+                        "failure and returned?): restarted as a new process",
+                    )  # fmt: skip
             elif now >= deadline:
                 del self._aborting[rank]
                 group.kill({rank}, grace_s=0.0)

@@ -470,11 +470,16 @@ def finish(cfg: JobConfig, state: JobState, sig: int) -> int:
     rep = build_report(Path(cfg.run_dir))
     show_report(rep)
     if state.phase == Phase.SUCCEEDED:
+        n, faults = len(rep["recoveries"]), len(rep["faults"])
         local = len(rep["local"]["recoveries"])
-        also = f" and {local} replica group restart(s) (local recovery)" if local else ""
+        how = f"{n} recovery(ies)"
+        if faults > n:  # a fault during a recovery: one recovery answered both
+            how += f" from {faults} faults"
+        if local:
+            how += f" and {local} replica group restart(s) (local recovery)"
         print(
-            f"trainguard: job succeeded after {len(state.recoveries)} recovery(ies){also}; "
-            f"report: trainguard report --run-dir {cfg.run_dir}",
+            f"trainguard: job succeeded after {how}; report: trainguard report --run-dir "
+            f"{cfg.run_dir}",
             file=sys.stderr,
         )
         return 0

@@ -256,6 +256,8 @@ def _faulted(
     """The running generation has a fault: FAULTED, then STOPPING at once, in process or as a
     restart of every rank (``inprocess.plan``)."""
     keep, why = inprocess_plan(s, fault, obs, now, cfg)
+    if s.recovery is not None:  # a fault during a recovery: the first is kept, never reached
+        s.recoveries.append(s.recovery)  # its first step (the report lists its fault)
     s.recovery = Recovery(
         fault=fault, from_generation=s.generation, mode="inprocess" if keep else "restart",
         mode_reason=why, kept=keep,

@@ -73,6 +73,15 @@ def refine(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> 
     if rec is None or not rec.kept:
         return
     lost = {s.assignment[n] for n in lost_nodes(s, obs, now, cfg) if n in s.assignment}
-    rec.kept = [r for r in rec.kept if r // cfg.nproc_per_node not in lost]
-    if not rec.kept:
+    kept = [r for r in rec.kept if r // cfg.nproc_per_node not in lost]
+    if kept == rec.kept:
+        return
+    rec.kept = kept
+    if not kept:
         rec.mode, rec.mode_reason = "restart", "no rank survived"
+    else:  # the reason said how many were kept, and maybe that no failed rank was seen yet
+        nodes = ", ".join(n for n in lost_nodes(s, obs, now, cfg) if n in s.assignment)
+        rec.mode_reason = (
+            f"{len(kept)} surviving rank(s) keep their processes; the ranks of lost node(s) "
+            f"{nodes} restart"
+        )

@@ -481,6 +481,8 @@ def start_generation(
         s.pools[n] = Pool.RUNNING
     s.gen_incarnations = {n: s.incarnations.get(n, "") for n in s.assignment}
     if s.recovery is not None:
+        if s.recovery.kept and ckpt_step is None:
+            _no_restore_no_keep(s, events)
         s.recovery.to_generation = s.generation
         s.recovery.restore_step = ckpt_step
         s.recovery.restore_tiers = tiers
@@ -500,6 +502,22 @@ def start_generation(
         )
     )
     goto(s, Phase.RENDEZVOUS, now, events, why)
+
+
+def _no_restore_no_keep(s: JobState, events: list[Event]) -> None:
+    """No checkpoint to restore: a kept process would carry the state it trained (a model made
+    outside ``trainguard.run``'s function) into a generation that starts again from step 0, so
+    every rank restarts (the agents resume no parked process into a Run without a restore
+    point)."""
+    assert s.recovery is not None
+    rec = s.recovery
+    rec.mode, rec.kept = "restart", []
+    rec.mode_reason = (
+        "no checkpoint every rank agrees on yet: a kept process would keep the state it "
+        "trained past step 0, which nothing restores"
+    )
+    events.append(("recovery_mode", {"generation": rec.from_generation, "mode": rec.mode,
+                                     "kept": [], "reason": rec.mode_reason}))  # fmt: skip
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
