@@ -126,6 +126,34 @@ def test_a_survivor_stuck_where_no_abort_reaches_is_restarted_the_old_way(
     assert losses(run) == user_reference
 
 
+def test_a_fault_before_any_checkpoint_restarts_a_model_made_outside_main(tmp_path: Path) -> None:
+    """The model and optimizer are made at module level (kept across in-process recoveries);
+    rank 1 dies at step 1, before any checkpoint: nothing would restore the survivor's trained
+    state, so every rank restarts, and the losses equal a fault-free run's (they differed at
+    every step when the survivor was kept)."""
+    script = ROOT / "tests" / "helpers" / "userscripts" / "model_outside_main.py"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG)
+
+    def job(name: str, *inject: str) -> Path:
+        cmd = trainguard_cmd("run", "--run-dir", tmp_path / name, "--config", cfg,
+                             "--nproc-per-node", "2", *inject, script, "20")  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return tmp_path / name
+
+    ref = losses(job("ref"))
+    run = job("early", "--inject", "kill:rank=1:step=1")
+    (rec,) = report(run)["recoveries"]
+    assert rec["mode"] == "restart" and rec["kept"] == {}, rec
+    assert rec["mode_reason"].startswith("no checkpoint every rank agrees on yet"), rec
+    assert losses(run) == ref
+    run = job("later", "--inject", "kill:rank=1:step=8")  # a checkpoint to restore: kept
+    (rec,) = report(run)["recoveries"]
+    assert rec["mode"] == "inprocess" and list(rec["kept"]) == ["0"], rec
+    assert losses(run) == ref
+
+
 @pytest.mark.slow
 def test_twenty_recoveries_leave_threads_fds_and_shm_where_they_were(tmp_path: Path) -> None:
     """A user's script (DataLoader with a spawn worker, lazily created Adam state) survives 20
