@@ -30,6 +30,17 @@ CKPTD_DEADLINE_S = 15.0
 STOP_DEADLINE_S = 70.0  # for ckptd to finish pending persistence on shutdown
 
 
+def clear_memory(paths: list[Path]) -> None:
+    """Remove a node's leftover shared-memory segments (its slots, replicas, checksums) as a
+    (re)started agent finds them. A directory among them is the prefetched step
+    (``checkpoint/prefetch.py``): its Prefetcher's, checked against the step's manifest before
+    any use, so it is left (unlinking it raised IsADirectoryError, and an agent restarted after
+    a SIGKILL crashed on it at every start)."""
+    for path in paths:
+        if not path.is_dir():
+            path.unlink(missing_ok=True)
+
+
 class CkptdSupervisor:
     """One node's ckptd. ``on_event(kind, **data)`` records an event for the next report;
     ``idle`` is called while waiting for a new ckptd to come up (the agent drains its
@@ -83,9 +94,8 @@ class CkptdSupervisor:
             return
         if self.proc is not None and self.proc.poll() is None:
             return
-        if self.proc is None:
-            for path in self._slots(ckpt.shm_dir):  # a (re)booted node's memory is empty
-                path.unlink(missing_ok=True)
+        if self.proc is None:  # a (re)booted node's memory is empty
+            clear_memory(self._slots(ckpt.shm_dir))
         else:
             self._on_event("ckptd_restarted", exit_code=self.proc.returncode)
         self.ckpt = ckpt
