@@ -367,13 +367,12 @@ def test_elastic_shrinks_on_node_loss_and_grows_back(hosts: Hosts, tmp_path: Pat
     run_dir.mkdir()
     job = Job(hosts, run_dir, nodes=3, standby=0)
     job.ctl_args[1] = "2:3"  # --nodes MIN:MAX
+    # The script's flags: Job took the module's ARGS when it was made (setting the global after
+    # that left --dp-ranks out: the world-2 generation ran 2 shards, and the grow found no
+    # position for shard 2 whenever it restored a step saved at world 2).
+    job.script_args = elastic
     try:
-        global ARGS
-        saved, ARGS = ARGS, elastic
-        try:
-            job.start_controller()
-        finally:
-            ARGS = saved
+        job.start_controller()
         job.start_agents()
         victim = job.host_of_rank(1)
         wait_for(lambda: reached_step(run_dir, 15), START_S, "step 15")
