@@ -36,7 +36,9 @@ from tests.conftest import (
 from tests.integration.test_own_faults import _flip, _flip_snapshot, _job, _kill_everything
 from trainguard.checkpoint import snapshot, storage
 
-STEPS = 1000
+# Long enough to outlast the faults on an idle machine too (1,000 steps took 75 s alone here:
+# 8 faults, not the 10 the test asks for; under CI's second worker they take 3 minutes).
+STEPS = 2500
 ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "10"]
 PACE = ["--inject", "slow:rank=0:factor=4"]  # ~4x longer steps: minutes of training
 # The guards against scripts that never progress judge generations; chaos ends many of
