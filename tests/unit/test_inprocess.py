@@ -33,6 +33,14 @@ def _crash_opted_in(sim: Sim) -> JobState:
     return sim.tick()
 
 
+def _next_generation(sim: Sim) -> JobState:
+    """The stopping generation's nodes acknowledge the stop until the next one starts."""
+    for _ in range(5):
+        sim.ack_stop()
+        s = sim.tick()
+    return s
+
+
 def test_a_crash_of_an_opted_in_job_keeps_every_other_rank() -> None:
     sim = Sim(cfg(nodes=2), 2)
     s = _crash_opted_in(sim)
@@ -87,9 +95,7 @@ def test_without_a_checkpoint_to_restore_every_rank_restarts() -> None:
     sim = Sim(cfg(nodes=2), 2)
     s = _crash_opted_in(sim)  # no checkpoint: sim.ckpt is empty
     assert s.recovery is not None and s.recovery.mode == "inprocess"
-    for _ in range(5):
-        sim.ack_stop()
-        s = sim.tick()
+    s = _next_generation(sim)
     assert s.generation == 1 and s.recovery is not None, s.phase
     assert s.recovery.mode == "restart" and s.recovery.kept == []
     assert s.recovery.mode_reason.startswith("no checkpoint every rank agrees on yet")
@@ -99,9 +105,7 @@ def test_without_a_checkpoint_to_restore_every_rank_restarts() -> None:
     sim = Sim(cfg(nodes=2), 2)  # the same fault with step 4 saved: in process
     sim.ckpt = [(4, 0)]
     s = _crash_opted_in(sim)
-    for _ in range(5):
-        sim.ack_stop()
-        s = sim.tick()
+    s = _next_generation(sim)
     assert s.generation == 1 and s.recovery is not None
     assert s.recovery.mode == "inprocess" and s.recovery.kept == [0] and s.restore_step == 4
 
@@ -201,9 +205,7 @@ def test_a_fault_during_a_recovery_keeps_the_first_fault_on_record() -> None:
     sim = Sim(cfg(nodes=2), 2)
     sim.ckpt = [(4, 0)]
     s = _crash_opted_in(sim)
-    for _ in range(5):
-        sim.ack_stop()
-        s = sim.tick()
+    s = _next_generation(sim)
     assert s.generation == 1 and s.recovery is not None
     sim.run_generation()
     _opt_in(sim)
