@@ -8,10 +8,12 @@ restart path, and the report says why."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +81,19 @@ def test_a_sigstopped_rank_is_replaced_and_its_peer_kept(
     assert losses(run) == reference
 
 
-def _user_job(run: Path, injects: list[str], *args: str, config: str = CONFIG) -> tuple[int, str]:
+def _start_user_job(
+    run: Path, injects: list[str], *args: str, config: str = CONFIG
+) -> subprocess.Popen[str]:
     cfg = run.parent / f"{run.name}.toml"
     cfg.write_text(config)
     cmd = trainguard_cmd("run", "--run-dir", run, "--config", cfg, "--nproc-per-node", "2",
                          *(x for i in injects for x in ("--inject", i)), USER, *args)  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT)  # fmt: skip
-    return finish_job(proc, timeout=600)
+
+
+def _user_job(run: Path, injects: list[str], *args: str, config: str = CONFIG) -> tuple[int, str]:
+    return finish_job(_start_user_job(run, injects, *args, config=config), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +115,39 @@ def test_a_survivor_blocked_in_a_system_call_is_kept(
     (rec,) = report(run)["recoveries"]
     assert rec["mode"] == "inprocess" and not rec["escalated"], rec
     assert rec["kept"] == {"0": _started(run, 0)[0]}, rec
+    assert losses(run) == user_reference
+
+
+def test_a_fault_while_the_survivor_forms_the_group_is_recovered_in_process(
+    tmp_path: Path, user_reference: dict[int, float]
+) -> None:
+    """Rank 1 dies at step 12; in the recovery its new process stalls before
+    ``init_process_group`` while kept rank 0 waits inside it, and is killed (kill -9) there.
+    Rank 0, aborted in a half-made group, is kept again and the world re-forms: the chaos run of
+    2026-12-04 hung 300 s at every recovery after such a fault (torch's group number, the key
+    prefix, was left at 1 in the survivor and 0 in the new rank)."""
+    run = tmp_path / "run"
+    proc = _start_user_job(run, ["kill:rank=1:step=12"], "--steps", "24", "--stall-init", "1")
+    try:
+        stalled = wait_for(lambda: (run / "stalled").is_file() and (run / "stalled").read_text(),
+                           120, "rank 1 of generation 1 to stall before its group")  # fmt: skip
+        time.sleep(1.0)  # rank 0 (resumed before the new rank 1 started) waits in the group
+        with contextlib.suppress(ProcessLookupError):  # the hang detector may have been first
+            os.kill(int(stalled), signal.SIGKILL)
+        code, err = finish_job(proc, timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert code == 0, err[-3000:]
+    rep = report(run)
+    assert [(f["cause"], f["rank"], f["generation"]) for f in rep["faults"]] == [
+        ("worker_crash", 1, 0), ("worker_crash", 1, 1)], rep["faults"]  # fmt: skip
+    (rec,) = rep["recoveries"]  # the one that reached its first step, from generation 1
+    first = _started(run, 0)[0]
+    assert rec["mode"] == "inprocess" and rec["kept"] == {"0": first}, rec
+    resumed = [(e["generation"], e["pid"]) for e in events(run) if e["kind"] == "worker_resumed"]
+    assert resumed == [(1, first), (2, first)], resumed  # rank 0 kept through both faults
     assert losses(run) == user_reference
 
 

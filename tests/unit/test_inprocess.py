@@ -4,6 +4,7 @@ the Stop and control wires, and what the runtime takes for a failed collective."
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -216,3 +217,63 @@ def test_a_fault_during_a_recovery_keeps_the_first_fault_on_record() -> None:
     assert [(r.fault.generation, r.fault.rank, r.t_first_step) for r in s.recoveries] == [
         (0, 1, None)
     ]
+
+
+_HALF_MADE = """
+import datetime, sys, torch, torch.distributed as dist
+from trainguard.runtime.inprocess import _destroy_process_group
+rank, port, release = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "release"
+if rank == 0:  # the first try: the peer never comes, init_process_group raises
+    t = datetime.timedelta(seconds=1)
+    lone = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=t, wait_for_workers=False)
+    try:
+        dist.init_process_group("gloo", store=lone, rank=0, world_size=2, timeout=t)
+    except Exception as e:
+        print("first try:", type(e).__name__, file=sys.stderr)
+    if release:
+        _destroy_process_group()
+t = datetime.timedelta(seconds=6)
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=t)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=t)
+x = torch.ones(1)
+dist.all_reduce(x)
+print(x.item())
+"""
+
+
+def _two_ranks_after_a_half_made_group(release: bool) -> list[subprocess.CompletedProcess[str]]:
+    """Rank 0 (a survivor) had an ``init_process_group`` fail, then forms a group with a fresh
+    rank 1 (a new process) at a store this test hosts."""
+    import datetime
+    import sys
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30),
+                          wait_for_workers=False)  # fmt: skip
+    how = "release" if release else "keep"
+    procs = [subprocess.Popen([sys.executable, "-c", _HALF_MADE, str(r), str(store.port), how],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]  # fmt: skip
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=60)
+        finally:
+            p.kill()
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    del store
+    return out
+
+
+def test_a_group_half_made_when_the_fault_came_is_forgotten_on_release() -> None:
+    """A survivor whose ``init_process_group`` a fault interrupted re-forms the world with the
+    new rank: the release resets torch's group number (the key prefix). Without it the two
+    ranks wait for each other under different prefixes until the store's timeout (the chaos
+    run of 2026-12-04 hung 300 s at each recovery after a SIGSTOP during start-up)."""
+    released = _two_ranks_after_a_half_made_group(release=True)
+    assert [(r.returncode, r.stdout.strip()) for r in released] == [(0, "2.0")] * 2, released
+    kept = _two_ranks_after_a_half_made_group(release=False)  # the fault the release fixes
+    assert [r.returncode for r in kept] == [1, 1], kept
+    assert "keys: /1//cpu//0/1" in kept[0].stderr, kept[0].stderr[-2000:]  # rank 0's prefix
+    assert "keys: /0//cpu//0/0" in kept[1].stderr, kept[1].stderr[-2000:]  # the new rank's

@@ -189,11 +189,23 @@ def _abort_backends() -> None:
 
 
 def _destroy_process_group() -> None:
+    """Destroy the default process group, and forget a half-made one: an
+    ``init_process_group`` that a fault interrupted (its peer died or was stopped before the
+    group formed) has taken the next unnamed group number (``_world.group_count``, the prefix of
+    the group's keys in the store: ``default_pg/<n>/``) but left nothing to destroy, and
+    ``destroy_process_group`` is what resets that number. Left at 1, the next generation's
+    group waited for keys under ``default_pg/1/`` that the new ranks wrote under
+    ``default_pg/0/``: every recovery after it hung until the store's timeout (a chaos run's
+    hang during start-up, 2026-12-04)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    with contextlib.suppress(AttributeError):  # a private counter: named, not relied on
+        dist.distributed_c10d._world.group_count = 0
 
 
 class _Recovering:

@@ -13,6 +13,9 @@ DataLoader with ``spawn`` workers, and a Checkpointer. Rank 0 appends ``{"step",
                              escalation test
         [--sleep-at STEP]    rank 0 of generation 0 sleeps in time.sleep(60) after STEP:
                              a blocking call the abort must interrupt
+        [--stall-init GEN]   rank 1 of generation GEN writes $TRAINGUARD_RUN_DIR/stalled
+                             and sleeps before init_process_group: its peer waits inside
+                             init_process_group when the fault comes
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ def resources() -> dict[str, int]:
 
 
 def main(args: argparse.Namespace, data: Pairs) -> int:
+    gen = int(os.environ.get("TRAINGUARD_GENERATION", "0"))
+    if args.stall_init is not None and gen == args.stall_init and os.environ["RANK"] == "1":
+        Path(os.environ["TRAINGUARD_RUN_DIR"], "stalled").write_text(str(os.getpid()))
+        time.sleep(600)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     rt = trainguard.init(total_steps=args.steps)
@@ -127,5 +134,6 @@ if __name__ == "__main__":
     p.add_argument("--probe", default="")
     p.add_argument("--stuck-at", type=int, default=0)
     p.add_argument("--sleep-at", type=int, default=0)
+    p.add_argument("--stall-init", type=int, default=None)
     a = p.parse_args()
     raise SystemExit(trainguard.run(main, a, Pairs(256)))
