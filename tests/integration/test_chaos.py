@@ -202,8 +202,8 @@ class Chaos:
         assert self.proc is not None
         try:
             _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        except subprocess.TimeoutExpired:  # the launcher, its agents, daemons and workers
+            _kill_everything(self.run, self.proc)
             _, err = self.proc.communicate()
         return self.proc.returncode, err
 
@@ -219,8 +219,8 @@ def test_chaos_of_every_fault_kind_ends_with_the_fault_free_losses(tmp_path: Pat
     try:
         chaos.go(seconds)
         code, err = chaos.finish()
-    finally:
-        if chaos.proc is not None and chaos.proc.poll() is None:
+    finally:  # the launcher may have ended before its agents (a killed one leaves them)
+        if chaos.proc is not None:
             _kill_everything(run, chaos.proc)
         drop_segments(f"trainguard-{_job(run)}-*")
     print("\n".join(chaos.log))
