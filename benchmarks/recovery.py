@@ -529,6 +529,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p
         )
+        leaked = 0
         try:
             runs, leaked = _repeats(args, root, env, marker, sides, args.repeats)
             scaling = []

@@ -82,18 +82,28 @@ def test_a_sigstopped_rank_is_replaced_and_its_peer_kept(
 
 
 def _start_user_job(
-    run: Path, injects: list[str], *args: str, config: str = CONFIG
+    run: Path,
+    injects: list[str],
+    *args: str,
+    config: str = CONFIG,
+    layout: tuple[str, ...] = ("--nproc-per-node", "2"),
 ) -> subprocess.Popen[str]:
     cfg = run.parent / f"{run.name}.toml"
     cfg.write_text(config)
-    cmd = trainguard_cmd("run", "--run-dir", run, "--config", cfg, "--nproc-per-node", "2",
+    cmd = trainguard_cmd("run", "--run-dir", run, "--config", cfg, *layout,
                          *(x for i in injects for x in ("--inject", i)), USER, *args)  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT)  # fmt: skip
 
 
-def _user_job(run: Path, injects: list[str], *args: str, config: str = CONFIG) -> tuple[int, str]:
-    return finish_job(_start_user_job(run, injects, *args, config=config), timeout=600)
+def _user_job(
+    run: Path,
+    injects: list[str],
+    *args: str,
+    config: str = CONFIG,
+    layout: tuple[str, ...] = ("--nproc-per-node", "2"),
+) -> tuple[int, str]:
+    return finish_job(_start_user_job(run, injects, *args, config=config, layout=layout), 600)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +158,28 @@ def test_a_fault_while_the_survivor_forms_the_group_is_recovered_in_process(
     assert rec["mode"] == "inprocess" and rec["kept"] == {"0": first}, rec
     resumed = [(e["generation"], e["pid"]) for e in events(run) if e["kind"] == "worker_resumed"]
     assert resumed == [(1, first), (2, first)], resumed  # rank 0 kept through both faults
+    assert losses(run) == user_reference
+
+
+def test_a_fault_at_the_second_step_keeps_the_survivor_on_another_node(
+    tmp_path: Path, user_reference: dict[int, float]
+) -> None:
+    """Two nodes, agents reporting every 4 s. Rank 1 (node 1) dies at step 2, moments after
+    both ranks entered trainguard.run, while rank 0 (node 0) sleeps: it has not parked on a
+    failed collective when the recovery is planned. Its agent passed on its opt-in to
+    in-process recovery at once, not at its next report, so the fault is planned in process
+    (the recovery benchmark's smoke run was planned as a restart: 'rank(s) 3 run a script
+    without trainguard.run')."""
+    run = tmp_path / "run"
+    slow_beats = CONFIG.replace("heartbeat_s = 0.2", "heartbeat_s = 4.0").replace(
+        "node_timeout_s = 3.0", "node_timeout_s = 12.0")  # fmt: skip
+    assert "heartbeat_s = 4.0" in slow_beats
+    code, err = _user_job(run, ["kill:rank=1:step=2"], "--steps", "24", "--sleep-at", "2",
+                          config=slow_beats, layout=("--nodes", "2"))  # fmt: skip
+    assert code == 0, err[-3000:]
+    (rec,) = report(run)["recoveries"]
+    assert rec["mode"] == "inprocess" and rec["kept"] == {"0": _started(run, 0)[0]}, rec
+    assert rec["restore_step"] == 1, rec
     assert losses(run) == user_reference
 
 

@@ -28,6 +28,7 @@ from tests.conftest import (
     report,
     start_job,
     wait_for,
+    worker_pid,
 )
 from trainguard.checkpoint import storage
 from trainguard.checkpoint.checkpointer import Checkpointer
@@ -150,30 +151,42 @@ def test_a_full_memory_fails_the_check_not_the_prefetcher(tmp_path: Path) -> Non
 def test_a_standby_that_replaces_a_lost_node_restores_from_its_prefetched_copy(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Node rank 1's agent is SIGKILLed (its workers die with it: a lost node) at a moment
-    when the standby holds the newest durable step and training is at least 15 steps short of
-    the next one, so that step is the restore point (CI's first version injected the loss at
-    a fixed step and raced the standby's poll; a later CI run saw no fault at all: the final
-    step's checkpoint also passed the test's check, and the "loss" came as the job ended). The
-    standby takes rank 1 and restores it from its own memory; the losses are those of a run
-    with no fault."""
-    every, steps = 50, 400
+    """Node rank 1's agent is SIGKILLed (its workers die with it: a lost node) while the
+    standby holds the newest durable step, so that step is the restore point. The standby takes
+    rank 1 and restores it from its own memory; the losses are those of a run with no fault.
+
+    To hold training between a durable step and the next, rank 1's worker is SIGSTOPped (rank
+    0 then waits in its next collective) as soon as a durable step is on disk, and the agent is
+    killed once the standby has it. Earlier versions raced the standby's poll: at ~12 ms a step
+    the window of 35 steps was 0.4 s, the standby's copy lagged up to 0.5 s behind, and a
+    loaded CI machine missed every window (or took the final step's, and the "loss" came as
+    the job ended)."""
+    every, steps = 50, 300
     args = [*TINY, "--steps", str(steps), "--durable-every", str(every)]
-    config = FAST_CONFIG + "replicas = false\n"  # the lost node's memory is gone with it
+    # The lost node's memory is gone with it; the stopped rank is no hang for a minute.
+    config = FAST_CONFIG + "replicas = false\nhang_timeout_min_s = 60.0\n"
     reference = fault_free_losses(tmp_path_factory, ["--nodes", "2"], args)
     run = tmp_path / "run"
     proc = start_job(run, ["--nodes", "2", "--standby", "1"], args, config=config)
+    rank1 = 0
     try:
+        rank1 = worker_pid(run, rank=1)
 
-        def caught_up() -> int | None:
+        def durable_in_window() -> int | None:
             durable = storage.list_committed(run / "checkpoints")
-            fetched = [e["step"] for e in events(run) if e["kind"] == "standby_prefetched"]
             now = max((r["step"] for r in _records(run)), default=0)
-            ok = (durable and fetched and fetched[-1] == durable[-1] < steps  # not the end
-                  and now < durable[-1] + 35)  # fmt: skip
+            ok = durable and durable[-1] < steps and now < durable[-1] + every - 15
             return durable[-1] if ok else None
 
-        step = wait_for(caught_up, 180, "the standby to hold the newest durable step in time")
+        step = wait_for(durable_in_window, 180, "a durable step well before the next one")
+        os.kill(rank1, signal.SIGSTOP)  # no further durable step until the node is lost
+        assert storage.list_committed(run / "checkpoints")[-1] == step
+
+        def prefetched() -> bool:
+            return any(e["kind"] == "standby_prefetched" and e["step"] == step
+                       for e in events(run))  # fmt: skip
+
+        wait_for(prefetched, 60, f"the standby to prefetch durable step {step}")
         gen0 = next(e for e in events(run) if e["kind"] == "generation_started")
         lost = next(n for n, r in gen0["assignment"].items() if r == 1)
         os.kill(agent_pid(run, lost), signal.SIGKILL)
@@ -182,6 +195,9 @@ def test_a_standby_that_replaces_a_lost_node_restores_from_its_prefetched_copy(
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        if rank1:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1, signal.SIGKILL)  # stopped, if the test failed before the loss
     assert code == 0, err[-3000:]
     evs = events(run)
     faults = report(run)["faults"]  # a victim's error seen first is re-attributed to the loss

@@ -608,7 +608,9 @@ class Agent:
                         w.coll = it.coll
                     if it.total_steps is not None:
                         w.total_steps = it.total_steps
-                    w.inprocess = w.inprocess or it.inprocess
+                    if it.inprocess and not w.inprocess:  # the controller plans by it
+                        w.inprocess = True
+                        self._report_now.set()
                     if it.parked and w.state == "running":
                         w.state, w.parked_at = "parked", time.time()
                         self._report_now.set()

@@ -308,6 +308,12 @@ class Runtime:
         with contextlib.suppress(OSError):
             self._send_now(WorkerEvent(kind=kind, ts=time.time(), data=data))
 
+    def beat_now(self) -> None:
+        """Send a heartbeat synchronously (a change the agent must know before the next beat:
+        the opt-in to in-process recovery, which a fault a moment later is planned by)."""
+        with contextlib.suppress(OSError), self._send_lock:
+            self._send_now(self._beat())
+
     def _send_now(self, message: WorkerMessage) -> None:
         if self._sock is not None and self._agent is not None:
             sender = Sender(rank=self.rank, pid=os.getpid(), generation=self.generation)

@@ -227,6 +227,10 @@ class _Recovering:
     # ------------------------------------------------------------ training thread
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         self.rt.inprocess = True
+        # Said at once, not at the next heartbeat: a fault in the first moments of the job
+        # (a benchmark's kill at step 5, a rank that dies in init_process_group) is planned by
+        # what every rank said; a rank not heard from yet counted as a plain script's.
+        self.rt.beat_now()
         with _kick_handler() as self._kick:
             self._thread.start()
             try:
