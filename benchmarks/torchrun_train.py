@@ -122,13 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     corpus = load_corpus(args.data, args.data_max_bytes)
-    cfg = GPTConfig(
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        dropout=args.dropout,
-    )
+    cfg = GPTConfig.from_args(args)
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,13 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 256
     dropout: float = 0.1
+
+    @classmethod
+    def from_args(cls, args: Any) -> GPTConfig:
+        """The model flags of ``train.add_model_args`` (``--block-size``, ``--n-layer``,
+        ``--n-head``, ``--n-embd``, ``--dropout``), from a parsed ``argparse.Namespace``."""
+        return cls(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                   n_embd=args.n_embd, dropout=args.dropout)  # fmt: skip
 
 
 class CausalSelfAttention(nn.Module):

@@ -53,13 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     replica.init_process_group("gloo")  # this replica group's ranks (all ranks when G = 1)
     rank = int(os.environ.get("RANK", "0"))  # the job's rank: names the data shard
     rt = trainguard.init(total_steps=args.steps)
-    cfg = GPTConfig(
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        dropout=args.dropout,
-    )
+    cfg = GPTConfig.from_args(args)
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(cfg)
     inner = DDP(model) if dist.get_world_size() > 1 else model  # within the group

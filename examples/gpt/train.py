@@ -178,13 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))
 
     corpus = corpus_of(args.data, args.data_max_bytes)  # read once: kept across recoveries
-    cfg = GPTConfig(
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        dropout=args.dropout,
-    )
+    cfg = GPTConfig.from_args(args)
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(cfg)
     if args.fsdp and distributed:
