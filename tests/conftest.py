@@ -59,8 +59,9 @@ probe_every_s = 0
 PREFLIGHT_CONFIG = FAST_CONFIG.replace('preflight = "off"', 'preflight = "quick"')
 
 
-def _ours(p: psutil.Process, tag: str) -> bool:
-    """A process of this test: its command line or environment names the test's tmp dir."""
+def run_process(p: psutil.Process, tag: str) -> bool:
+    """Is ``p`` a process of the test whose tmp dir is ``tag``: its command line or environment
+    names it? (False for one gone or not readable.)"""
     try:
         return tag in " ".join(p.cmdline()) or any(tag in v for v in p.environ().values())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -78,7 +79,7 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
     deadline = time.monotonic() + 15.0
     leaked: list[psutil.Process] = []
     while time.monotonic() < deadline:
-        leaked = [p for p in psutil.process_iter() if p.pid not in mine and _ours(p, tag)]
+        leaked = [p for p in psutil.process_iter() if p.pid not in mine and run_process(p, tag)]
         if not leaked:
             break
         time.sleep(0.2)

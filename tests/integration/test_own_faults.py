@@ -34,6 +34,7 @@ from tests.conftest import (
     reached_step,
     report,
     run_job,
+    run_process,
     start_job,
     trainguard_cmd,
     wait_for,
@@ -260,12 +261,7 @@ def _kill_everything(run_dir: Path, proc: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + 60.0
     while True:
         victims = [] if proc.poll() is not None else [psutil.Process(proc.pid)]
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error):
-                if p.pid != proc.pid and (
-                    tag in " ".join(p.cmdline()) or any(tag in v for v in p.environ().values())
-                ):
-                    victims.append(p)
+        victims += [p for p in psutil.process_iter() if p.pid != proc.pid and run_process(p, tag)]
         if not victims:
             break
         assert time.monotonic() < deadline, f"processes of {run_dir} outlive SIGKILL: {victims}"
