@@ -65,6 +65,10 @@ class LocalBackend:
     def forget(self, slot: Path) -> None:
         self.persister.forget(slot)
 
+    def idle(self) -> bool:
+        """Every staged snapshot is verified (``Persister.idle``)."""
+        return self.persister.idle()
+
     def close(self) -> None:
         self.persister.close()
         for p in self.paths:
@@ -203,6 +207,10 @@ class CkptdBackend:
         if reply.failed:
             raise CheckpointError(f"step {step} cannot become durable: {reply.failed}")
         return reply.durable
+
+    def idle(self) -> bool:
+        """ckptd has verified every staged snapshot (its ``Status.idle``)."""
+        return bool(self._call(wire.Status()).idle)
 
     def forget(self, slot: Path) -> None:
         """Best effort: a ckptd that is down re-verifies slots when it restarts anyway."""

@@ -31,16 +31,23 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainguard.checkpoint import device, storage, tiers
+from trainguard.checkpoint import device, snapshot, storage, tiers
 from trainguard.checkpoint import sdc_drill as sdc
 from trainguard.checkpoint import state as state_mod
-from trainguard.checkpoint.api import CheckpointError, CheckpointNotFoundError, rank_world, say
+from trainguard.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    rank_world,
+    say,
+)  # fmt: skip
 from trainguard.checkpoint.backend import CkptdBackend, LocalBackend
 from trainguard.checkpoint.persister import WRITE_ERRORS
 from trainguard.checkpoint.pool import SLOT_WAIT_S, Lease, SlotPool, gc_paused
 from trainguard.checkpoint.tiers import RankSide
 from trainguard.checkpoint.tiers.api import Failure
 from trainguard.checkpoint.tiers.disk import read_step
+from trainguard.checkpoint.tiers.memory import read_verified
 from trainguard.runtime import api as rt_api
 from trainguard.runtime.core import init as runtime_init
 
@@ -440,6 +447,48 @@ class Checkpointer:
         self._restore_failed(rank, step, point[1], failed, failure.problems)
         raise failure.error
 
+    def load_memory(self, state: dict[str, Any], step: int | None = None) -> int:
+        """Restore ``state`` in place from this rank's snapshot of ``step`` (default: the newest
+        it holds) in node memory, in a living process: a rollback after a loss spike or a
+        corrupt step found by the SDC checks, or a measurement of the memory tier
+        (``benchmarks/checkpoint.py``). The snapshot is verified first: by ckptd when it owns
+        the slots (``trainguard run``, ``node_daemon``; its result is kept for this
+        generation, so a second load of the same step only copies), else here against the
+        checksums taken when it was staged. Waits for the persister first (``wait_persisted``).
+
+        Returns the step restored. Raises CheckpointNotFoundError when this Checkpointer holds
+        no snapshot of ``step`` in memory, CheckpointCorruptError when the snapshot fails
+        verification or does not fit ``state`` (a ``ckpt_corrupt`` / ``ckpt_memory_mismatch``
+        event names the problem). A snapshot that does not fit writes nothing; one found
+        corrupt while it is copied (the checksum is checked chunk by chunk, in the same pass)
+        may have written part of ``state``: restore another step (or ``load`` the durable
+        tier) next, as a restart does.
+        """
+        self.wait_persisted()
+        slots = [] if self._pool is None else [s.path for s in self._pool.slots]
+        held = sorted(
+            (int(h["step"]), int(h["generation"]))
+            for h in map(snapshot.peek_header, slots)
+            if h is not None
+        )
+        points = [pt for pt in held if step is None or pt[0] == step]
+        if not points:
+            have = ", ".join(str(s) for s, _ in held) or "none"
+            want = "any step" if step is None else f"step {step}"
+            raise CheckpointNotFoundError(
+                f"no snapshot of {want} in this rank's memory (held: {have}); save() first, "
+                "or load() from the durable tier"
+            )
+        rank = rank_world()[0]
+        point = points[-1]
+        if not read_verified(self._rank_side(rank, memory=True), state, point, slots):
+            raise CheckpointCorruptError(
+                f"rank {rank}'s snapshot of step {point[0]} in memory failed verification or "
+                "does not fit this state (see the ckpt_corrupt / ckpt_memory_mismatch event); "
+                "load() the durable tier instead"
+            )
+        return point[0]
+
     def _rank_side(self, rank: int, *, memory: bool) -> RankSide:
         """What the tiers read this rank's copies with."""
         return RankSide(
@@ -497,6 +546,23 @@ class Checkpointer:
                 f"step {self._last_durable} was not durable within {timeout_s:.0f}s; "
                 f"see the persister's events (disk full?) in the run's events"
             )
+
+    def wait_persisted(self, timeout_s: float = DURABLE_WAIT_S) -> None:
+        """Block until the persister (this node's ckptd, or the one in this process) has
+        verified every snapshot staged so far: the memory index is whole and the next save
+        finds its slot free. Durable writes may still run (``wait`` waits for those).
+        Raises CheckpointError past ``timeout_s`` (seconds)."""
+        self.wait_staged()
+        if self._backend is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self._backend.idle():
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"the persister did not verify the staged snapshots within {timeout_s:.0f}s"
+                )
+            self._rt.keepalive()  # waiting under our own deadline is not a hang
+            time.sleep(0.002)
 
     def abandon(self) -> None:
         """Release this Checkpointer without waiting for durability (an in-process recovery

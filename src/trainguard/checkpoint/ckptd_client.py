@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,7 +21,9 @@ from trainguard.protocol.ckptd import ErrorReply, Request, reply_from_json, requ
 
 R = TypeVar("R")
 
-__all__ = ["CheckpointError", "CkptdClient", "address", "socket_name", "spawn"]
+__all__ = [
+    "CheckpointError", "CkptdClient", "address", "node_daemon", "socket_name", "spawn",
+]  # fmt: skip
 
 
 def socket_name(job: str, node: str) -> str:
@@ -122,3 +125,69 @@ class CkptdClient:
         with contextlib.suppress(OSError):
             self.f.close()
         self.sock.close()
+
+
+@contextlib.contextmanager
+def node_daemon(
+    ckpt_dir: str | os.PathLike[str],
+    *,
+    shm_dir: str | os.PathLike[str] = "/dev/shm",
+    job: str | None = None,
+    node: str | None = None,
+    keep: int = 2,
+    log: str | os.PathLike[str] | None = None,
+    timeout_s: float = 30.0,
+) -> Iterator[str]:
+    """Run a node's checkpoint daemon (ckptd) for this process and its children, as
+    ``trainguard run`` runs one per node: every ``Checkpointer`` made inside the block (here or
+    in a child started inside it, e.g. torchrun's ranks) stages its snapshots into slots that
+    ckptd owns in ``shm_dir``; ckptd checksums them and writes durable steps to ``ckpt_dir``
+    (DCP layout), so a snapshot outlives a crash of the rank that wrote it. For scripts that
+    want the node daemon without ``trainguard run``, and for ``benchmarks/checkpoint.py``.
+
+    Sets ``TRAINGUARD_CKPTD``, ``TRAINGUARD_SHM_DIR``, ``TRAINGUARD_JOB_ID``,
+    ``TRAINGUARD_NODE_ID`` and ``TRAINGUARD_CKPT_DIR`` in ``os.environ`` for the block and
+    restores them after. Yields the daemon's socket name (``@trainguard-ckptd-JOB-NODE``).
+    ``job`` defaults to ``standalone<pid>``, ``node`` to ``node0``; ``log`` (ckptd's stderr)
+    to ``ckpt_dir/ckptd-NODE.log``. On exit ckptd is asked to shut down (its slots unlinked)
+    and killed if it has not exited 60 s later.
+
+    Raises CheckpointError, naming the log, when ckptd does not listen within ``timeout_s``.
+    """
+    from trainguard.protocol.ckptd import Shutdown
+
+    job = job or f"standalone{os.getpid()}"
+    node = node or "node0"
+    root = Path(ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log) if log is not None else root / f"ckptd-{node}.log"
+    proc = spawn(
+        job=job, node=node, ckpt_dir=root, shm_dir=Path(shm_dir), keep=keep, log=log_path,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    name = socket_name(job, node)
+    env = {
+        "TRAINGUARD_CKPTD": name, "TRAINGUARD_SHM_DIR": str(shm_dir), "TRAINGUARD_JOB_ID": job,
+        "TRAINGUARD_NODE_ID": node, "TRAINGUARD_CKPT_DIR": str(root),
+    }  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield name
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        with contextlib.suppress(OSError, ValueError, CheckpointError):
+            c = CkptdClient(name, timeout_s=5.0)
+            try:
+                c.call(Shutdown(unlink=True), timeout_s=60.0)
+            finally:
+                c.close()
+        try:
+            proc.wait(timeout=60.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10.0)

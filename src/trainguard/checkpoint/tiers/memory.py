@@ -3,6 +3,7 @@ which verified each snapshot's checksums at staging and re-checks the one a rest
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -49,10 +50,13 @@ def has_slot(rk: RankSide, point: Point) -> bool:
     return any(h is not None and (h["step"], h["generation"]) == point for h in heads)
 
 
-def read_verified(rk: RankSide, state: dict[str, Any], point: Point) -> bool:
-    """Restore ``point`` from the rank's slot holding it: ckptd's check of the slot for this
-    restart (usually done while the workers started), else the slot's checksums here. A
-    corrupt slot is dropped from ckptd's index (the next restore point skips it)."""
+def read_verified(
+    rk: RankSide, state: dict[str, Any], point: Point, paths: Sequence[Path] | None = None
+) -> bool:
+    """Restore ``point`` from the rank's slot holding it (among ``paths``, default the rank's
+    slots named by the environment): ckptd's check of the slot for this restart (usually
+    done while the workers started), else the slot's checksums here. A corrupt slot is
+    dropped from ckptd's index (the next restore point skips it)."""
     from trainguard.checkpoint import snapshot
     from trainguard.checkpoint.backend import CkptdBackend
 
@@ -69,7 +73,7 @@ def read_verified(rk: RankSide, state: dict[str, Any], point: Point) -> bool:
             return False
         else:
             verified = Path(reply.slot).name
-    for path in slot_paths(rk):
+    for path in slot_paths(rk) if paths is None else paths:
         h = snapshot.peek_header(path)
         if h is None or (h["step"], h["generation"]) != point:
             continue
