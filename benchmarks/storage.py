@@ -23,7 +23,6 @@ JSON object). Everything it starts (moto) is killed, everything it writes remove
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -41,12 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
+from common import Row, add_common, finish, verdict  # noqa: E402  (beside this file)
 from tests.helpers.s3server import CREDENTIALS, moto_server  # noqa: E402
 
-from trainguard.checkpoint import codec, storage  # noqa: E402
+from trainguard import Checkpointer  # noqa: E402
+from trainguard.checkpoint import codec, prefetch, storage  # noqa: E402
 from trainguard.checkpoint.archive import Archive  # noqa: E402
-from trainguard.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from trainguard.runtime import api as rt_api  # noqa: E402
 
 
 def median_s(
@@ -109,31 +108,24 @@ def incremental(
 
 def prefetched_restore(live: dict[str, torch.Tensor], hot: Path, repeats: int) -> dict[str, float]:
     """A standby's restore of the step it prefetched (``prefetch.copy_step`` into /dev/shm),
-    the rank's path in ``Checkpointer.load``: ``restore_s`` after its agent checked the copy
-    whole for this restart (``prefetch.verify_for_restart``, ``check_s``, which runs while the
-    workers start), read without checksums; ``checked_while_read_s`` when the rank got there
-    first and checks each file's CRC-32C as it reads. Medians, seconds."""
-    from trainguard.checkpoint.prefetch import copy_step, verify_for_restart
-
+    the rank's path in ``Checkpointer.load`` (``prefetch.restore``): ``restore_s`` after its
+    agent checked the copy whole for this restart (``prefetch.verify_for_restart``,
+    ``check_s``, which runs while the workers start), read without checksums;
+    ``checked_while_read_s`` when the rank got there first and checks each file's CRC-32C as
+    it reads. Medians, seconds."""
     dest = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="tg-bench-prefetch-"))
     try:
-        copy_step(hot, dest, 1)
-        ck = Checkpointer(dest, durable_every=0, memory_tier=False)
-        target = {
-            k: torch.zeros_like(v) for k, v in live.items()
-        }  # live tensors: written (model init)
-        os.environ[rt_api.ENV_PREFETCH_DIR] = str(dest)
+        prefetch.copy_step(hot, dest, 1)
+        target = {k: torch.zeros_like(v) for k, v in live.items()}  # live tensors (model init)
         gen = storage.committed_generation(dest, 1)
-        restart = ck._rt.generation
 
-        def load(how: str) -> None:  # the rank's path: Checkpointer.load's prefetched tier
-            assert ck._load_prefetched(target, 0, 1, gen) == how, "not read as planned"
+        def load(how: str) -> None:
+            assert prefetch.restore(target, dest, 1, gen) == how, "not read as planned"
 
         (dest / "verified.json").unlink(missing_ok=True)
         while_read = median_s(lambda: load("while read"), repeats)
-        check = median_s(lambda: verify_for_restart(dest, restart), repeats)
+        check = median_s(lambda: prefetch.verify_for_restart(dest, 0), repeats)
         restore = median_s(lambda: load("at the restart"), repeats)
-        ck.close()
         assert all(torch.equal(target[k], live[k]) for k in live), "prefetched restore differs"
         return {"restore_s": restore, "check_s": check, "checked_while_read_s": while_read}
     finally:
@@ -194,19 +186,23 @@ def measure(
         ck.close()
         step = storage.step_dir(hot, 1)
         nbytes = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
-        ours = Archive("s3://bench/ours", concurrency=concurrency, compress="off")
-        ours.fs.mkdir("bench")
-        fs = ours.fs
+        archive = {"ours": Archive("s3://bench/ours", concurrency=concurrency, compress="off")}
+        archive["ours"].fs.mkdir("bench")
+        fs = archive["ours"].fs
 
         def clear(prefix: str) -> Callable[[], None]:
             def run() -> None:
                 if fs.exists(prefix):
                     fs.rm(prefix, recursive=True)
-                ours._known = None  # deleted behind the archive's back: it must list again
+                # deleted behind its back: a new Archive lists the tier again (a new job's)
+                archive["ours"] = Archive(
+                    "s3://bench/ours", concurrency=concurrency, compress="off"
+                )
 
             return run
 
-        up_ours = median_s(lambda: ours.upload(step, 1), repeats, clear("bench/ours"))
+        up_ours = median_s(lambda: archive["ours"].upload(step, 1), repeats, clear("bench/ours"))
+        ours = archive["ours"]
         up_s3fs = median_s(
             lambda: fs.put(str(step) + "/", "bench/peer/step_1/", recursive=True),
             repeats,
@@ -264,15 +260,44 @@ def measure(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> None:
+def table_rows(out: dict[str, Any]) -> list[Row]:
+    """The README's rows (``benchmarks/table.py``)."""
+    q, inc = out["ratios"], out["incremental"]
+    mb = f"{out['size_mb']} MB step of 8 float32 tensors"
+    return [
+        Row(
+            what=f"restore of a standby's prefetched copy ({mb}, in /dev/shm, checked at the "
+            "restart)",
+            result=f"{out['prefetched_restore_vs_memcpy']:.2f}× memcpy; checked while read "
+            f"{out['prefetched_restore_checked_while_read_vs_memcpy']:.2f}×",
+            target=verdict(
+                out["prefetched_restore_vs_memcpy"],
+                1.2,
+                "× memcpy",
+                "at load " + f"{out['load_1min']:.1f}" if out["load_1min"] > 2 else "",
+            ),
+        ),  # fmt: skip
+        Row(
+            what=f"cold tier (moto S3 on loopback), {mb}",
+            result=f"upload {q['upload_vs_s3fs_put']:.2f}× s3fs put, restore "
+            f"{q['restore_vs_s3fs_dcp_load']:.2f}× s3fs + dcp.load; incremental step "
+            f"({inc['changed']:.0%} changed) sends {inc['ratios']['bytes']:.2f}× the bytes",
+            target="—",
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--changed", type=float, default=0.1, help="incremental: share trained")
     ap.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    add_common(ap, smoke="a 4 MB step, one repeat (CI)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_mb, args.repeats = 4, 1
     torch.set_num_threads(1)
     run = (args.size_mb, args.repeats, args.concurrency, args.changed)
     if args.endpoint:
@@ -280,10 +305,11 @@ def main() -> None:
     else:
         with moto_server() as endpoint:
             out = measure(endpoint, *run)
+    out["load_1min"] = os.getloadavg()[0]
     out["compression"] = compression()
+    finish("storage", args, out, argv)
     if args.json:
-        print(json.dumps(out))
-        return
+        return 0
     print(f"cold tier, {out['size_mb']} MB step, moto S3 on loopback, {args.repeats} repeats")
     for what, row in (("upload", out["upload_s"]), ("restore", out["restore_s"])):
         print(f"  {what:8s} " + "  ".join(f"{k} {v:.3f}s" for k, v in row.items()))
@@ -297,8 +323,9 @@ def main() -> None:
     print(f"  incremental ({inc['changed']:.0%} changed): bytes {inc['bytes']}, "
           f"seconds {inc['seconds']}, ratios {inc['ratios']}")  # fmt: skip
     for dt, row in out["compression"].items():
-        print(f"  compression {dt} ({row.pop('mb')} MB): {row}")
+        print(f"  compression {dt} ({row['mb']} MB): {row}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

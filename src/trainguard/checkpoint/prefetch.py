@@ -133,6 +133,36 @@ def verified(root: Path, step: int, generation: int, for_generation: int) -> boo
     )
 
 
+def restore(
+    state: dict[str, Any],
+    root: Path,
+    step: int,
+    generation: int,
+    *,
+    rank: int = 0,
+    for_generation: int = 0,
+    emit: Callable[..., None] = lambda kind, **data: None,
+) -> str:
+    """Restore durable (``step``, ``generation``) in place from the prefetched copy under
+    ``root`` (``copy_step``), as a rank that a standby took over does (the prefetch tier of
+    ``Checkpointer.load``; also ``benchmarks/storage.py``). Returns how the copy was checked:
+    ``"at the restart"`` when ``verify_for_restart`` checked it whole for ``for_generation``
+    (read without checksums, straight into the live tensors) or ``"while read"`` (each
+    file's CRC-32C as it is read).
+
+    Raises CheckpointCorruptError (a file missing, short or failing its checksum; the next
+    tier's read then overwrites whatever was read) or CheckpointReadError."""
+    from trainguard.checkpoint.api import CheckpointCorruptError
+    from trainguard.checkpoint.tiers.disk import read_step
+
+    before = verified(root, step, generation, for_generation)
+    problems, sums = storage.verify_for_load(root, step)
+    if problems:
+        raise CheckpointCorruptError(f"prefetched step {step} in {root}: {'; '.join(problems[:4])}")
+    read_step(state, rank, root, step, sums, emit=emit, direct=True, checksums=not before)
+    return "at the restart" if before else "while read"
+
+
 class Prefetcher:
     """A thread that, while ``follow``-ing, copies each newer committed step of the durable
     tier into this node's prefetch root; ``pause`` stops copying (the node took a rank: its

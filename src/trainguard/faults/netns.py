@@ -22,6 +22,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 class Hosts:
+    """``n`` hosts (network namespaces) on a bridge; ``names``, ``addrs`` (IPv4, one each) and
+    ``gateway`` (the bridge's address). ``up()`` creates them (raises
+    subprocess.CalledProcessError, having removed what it made, when ``ip`` fails: not
+    root?), ``cmd(i, argv)`` runs in host ``i``, ``down()`` removes everything (see the module
+    docstring)."""
+
     def __init__(self, n: int) -> None:
         tag = f"{os.getpid() % 100000}{random.randrange(100)}"
         self.names = [f"tgh{tag}n{i}" for i in range(n)]

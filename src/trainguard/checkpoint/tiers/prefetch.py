@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from trainguard.checkpoint import prefetch, storage
+from trainguard.checkpoint import prefetch
 from trainguard.checkpoint.api import CheckpointCorruptError, CheckpointReadError
 from trainguard.checkpoint.tiers.api import Index, Point, Tier
-from trainguard.checkpoint.tiers.disk import read_step
 from trainguard.runtime import api as rt_api
 
 
@@ -31,17 +30,13 @@ class PrefetchTier(Tier):
         root = prefetch.present(rk.env.get(rt_api.ENV_PREFETCH_DIR), step, gen)
         if root is None:
             return False
-        before = prefetch.verified(root, step, gen, rk.generation)
-        problems, sums = storage.verify_for_load(root, step)
-        if not problems:
-            try:
-                read_step(
-                    state, rk.rank, root, step, sums,
-                    emit=rk.emit, direct=True, checksums=not before,
-                )  # fmt: skip
-                self.details = {"checked": "at the restart" if before else "while read"}
-                return True
-            except (CheckpointCorruptError, CheckpointReadError) as e:
-                problems = [str(e)]
+        try:
+            how = prefetch.restore(
+                state, root, step, gen, rank=rk.rank, for_generation=rk.generation, emit=rk.emit
+            )
+            self.details = {"checked": how}
+            return True
+        except (CheckpointCorruptError, CheckpointReadError) as e:
+            problems = [str(e)]
         rk.emit("ckpt_corrupt", step=step, tier="prefetched", problems=problems[:4])
         return False

@@ -1,0 +1,74 @@
+"""The checkpoint benchmarks' ``--smoke`` sizes run in CI's default run (issue 29): each prints the
+keys its issue names, every figure is a finite number, and its README rows render. The figures
+themselves come from the full sizes (``--record``), not from here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
+
+
+def smoke(name: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run ``benchmarks/NAME.py --smoke --json ARGS``; its JSON, checked finite and rendered."""
+    out = subprocess.run(
+        [sys.executable, f"benchmarks/{name}.py", "--smoke", "--json", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert common.finite(r) == [], common.finite(r)
+    module = __import__(name)
+    rows = module.table_rows(r)
+    assert rows and all(set(row) == {"what", "result", "target"} for row in rows)
+    assert all(row["result"] and row["target"] for row in rows)
+    return r
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a private tmpfs for the slots (root)")
+def test_the_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
+    r = smoke("checkpoint")
+    for key in (
+        "save_blocking_over_memcpy", "save_blocking_overlapped_over_memcpy",
+        "save_overlapped_with_optimizer_over_memcpy", "restore_memory_over_memcpy",
+        "restore_memory_verified_in_worker_over_memcpy", "durable_over_seq_write",
+        "durable_over_dcp_durable", "dcp_async_blocking_over_memcpy", "dcp_durable_over_seq_write",
+        "torch_save_over_memcpy", "rss_growth_bytes_50_saves", "tg_restore_durable_s",
+        "dcp_load_s", "torch_load_s",
+    ):  # fmt: skip
+        assert key in r, key
+    ov = r["overlap_with_optimizer"]
+    assert "AdamW" in ov["state"] and ov["stall_s"] > 0 and ov["memcpy_s"] > 0
+    assert len(r["durable_over_seq_write_rounds"]) == 2
+
+
+def test_the_fsdp_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
+    r = smoke("checkpoint_sharded")
+    ratios = r["fsdp"]["ratios"]
+    for key in ("stall_over_memcpy", "restore_verified_over_memcpy", "tg_durable_over_dcp_durable"):
+        assert ratios[key] > 0, key
+    assert "fully_shard" in r["fsdp"]["state"] and "AdamW" in r["fsdp"]["state"]
+    assert r["small"]["tensors"] == 1000 and r["small"]["stall_over_copy_loop"] > 0
+
+
+def test_the_storage_benchmark_smoke_run_prints_its_keys() -> None:
+    r = smoke("storage")
+    for key in (
+        "prefetched_restore_vs_memcpy", "prefetched_restore_checked_while_read_vs_memcpy",
+        "prefetch_check_at_restart_s", "upload_s", "restore_s", "incremental", "compression",
+    ):  # fmt: skip
+        assert key in r, key
+    assert set(r["ratios"]) == {
+        "upload_vs_s3fs_put",
+        "restore_vs_s3fs_dcp_load",
+        "restore_vs_memcpy",
+    }
