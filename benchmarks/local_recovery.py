@@ -21,8 +21,10 @@ the end, equal); for trainguard also ``heal_ratio`` (its ``heal_s`` / torchft's)
 ``gap_over_step`` (``survivor_max_gap_s`` / ``steady_step_s``). Targets: ``gap_over_step`` <= 2,
 ``heal_ratio`` <= 0.5, ``state_equal_after_heal`` true.
 
-``--smoke``: the smallest model, 2 groups (the CI test of this file). Run from the repository
-root: ``python benchmarks/local_recovery.py --json``.
+``--smoke``: the smallest model and corpus, 2 groups, an early fault, shorter timeouts (the CI
+test of this file). ``--record`` writes ``benchmarks/results/local_recovery.json`` for the
+README's table (``table_rows``). Run from the repository root:
+``python benchmarks/local_recovery.py --json``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -40,12 +43,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "replicas.py"
 FT_WORKER = REPO / "benchmarks" / "torchft_replicas.py"
 CONFIG = 'heartbeat_s = 0.2\nnode_timeout_s = 3.0\npreflight = "off"\nprobe_every_s = 0\n'
+SMOKE_STEPS, SMOKE_KILL = 800, 150  # --smoke: the tiny model's steps take ~0.02 s
+TARGET_GAP_OVER_STEP = 2.0  # the survivor's longest step gap over its steady step
+TARGET_HEAL_RATIO = 0.5  # trainguard's heal_s over torchft's
 
 
 class BenchError(RuntimeError):
@@ -62,23 +69,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--data-max-bytes", type=int, default=4 << 20, help="corpus bytes each rank reads"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--smoke", action="store_true", help="smallest sizes, 2 groups (CI)")
+    common.add_common(p, smoke="smallest sizes, 2 groups, early fault (CI)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.groups, args.steps, args.kill_step = "2", 600, 200
+        args.groups, args.steps, args.kill_step, args.timeout = "2", SMOKE_STEPS, SMOKE_KILL, 120.0
         args.n_layer, args.n_head, args.n_embd, args.block_size, args.batch_size = 1, 2, 32, 32, 4
-    args.group_counts = [int(g) for g in args.groups.split(",")]
+        args.data_max_bytes = 64 << 10
+    try:
+        args.group_counts = [int(g) for g in args.groups.split(",")]
+    except ValueError:
+        p.error(f"--groups {args.groups!r}: comma-separated even counts, e.g. 2,4")
     if any(g < 2 or g % 2 for g in args.group_counts):
         p.error(f"--groups {args.groups}: even counts >= 2 (two simulated nodes)")
+    if not 1 <= args.kill_step < args.steps or args.timeout <= 0 or args.data_max_bytes < 1024:
+        p.error("need 1 <= --kill-step < --steps, --timeout > 0 and --data-max-bytes >= 1024")
     return args
 
 
 def _model(args: argparse.Namespace) -> list[str]:
     return ["--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd",
             str(args.n_embd), "--block-size", str(args.block_size), "--batch-size",
-            str(args.batch_size), "--steps", str(args.steps)]  # fmt: skip
+            str(args.batch_size), "--steps", str(args.steps), "--data-max-bytes",
+            str(args.data_max_bytes)]  # fmt: skip
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -202,22 +218,112 @@ def run_torchft(args: argparse.Namespace, work: Path, groups: int) -> dict[str, 
     return measure(recs(), digests, groups, t_kill)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _ratio(a: float | None, b: float | None, digits: int) -> float | None:
+    """``a / b`` rounded, or None when either is missing or ``b`` is not positive."""
+    if a is None or not b or b <= 0:
+        return None
+    q = round(a / b, digits)
+    return q if math.isfinite(q) else None
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Both sides at each group count (see the module docstring for the keys)."""
     result: dict[str, Any] = {"model": _model(args), "kill_step": args.kill_step, "groups": {}}
     with tempfile.TemporaryDirectory(prefix="tg-local-") as tmp:
         for g in args.group_counts:
             tg = run_trainguard(args, Path(tmp), g)
             ft = run_torchft(args, Path(tmp), g)
             row: dict[str, Any] = {**tg, "torchft": ft}
-            if tg["steady_step_s"] and tg["survivor_max_gap_s"] is not None:
-                row["gap_over_step"] = round(tg["survivor_max_gap_s"] / tg["steady_step_s"], 2)
-            if tg["heal_s"] and ft.get("heal_s"):
-                row["heal_ratio"] = round(tg["heal_s"] / ft["heal_s"], 3)
+            row["gap_over_step"] = _ratio(tg["survivor_max_gap_s"], tg["steady_step_s"], 2)
+            row["heal_ratio"] = _ratio(tg["heal_s"], ft.get("heal_s"), 3)
             result["groups"][str(g)] = row
             if not args.json:
                 print(f"{g} groups: {json.dumps(row)}", file=sys.stderr)
-    print(json.dumps(result, indent=None if args.json else 2))
+    return result
+
+
+def _s(x: float | None, spec: str = ".2f", unit: str = " s") -> str:
+    return "—" if x is None else f"{x:{spec}}{unit}"
+
+
+def _flag(model: list[str], name: str) -> str:
+    return model[model.index(name) + 1] if name in model else "?"
+
+
+def _yes(x: Any) -> str:
+    return "—" if x is None else "yes" if x else "**no**"
+
+
+def table_rows(result: dict[str, Any]) -> list[common.Row]:
+    """The README's "Measured" rows of a full run's JSON, one per group count: the heal time
+    against torchft's and the survivor's longest gap against its steady step, with targets."""
+    m = result["model"]
+    layers = _flag(m, "--n-layer")
+    model = (
+        f"GPT example ({layers} layer{'' if layers == '1' else 's'}, {_flag(m, '--n-embd')} "
+        f"wide, batch {_flag(m, '--batch-size')}, {_flag(m, '--steps')} steps)"
+    )
+    rows: list[common.Row] = []
+    for g, r in result["groups"].items():
+        ft = r["torchft"]
+        skipped = "skipped" in ft
+        heal = f"heal {_s(r['heal_s'])}" + (
+            " (torchft skipped: not installed)"
+            if skipped
+            else f" vs torchft {_s(ft.get('heal_s'))} (ratio {_s(r['heal_ratio'], '.2f', '')})"
+        )
+        gap = (
+            f"survivor's longest gap {_s(r['survivor_max_gap_s'])} = "
+            f"{_s(r['gap_over_step'], '.2f', '×')} its step ({_s(r['steady_step_s'], '.3f')})"
+        )
+        equal = f"states equal after the heal: {_yes(r['state_equal_after_heal'])}" + (
+            "" if skipped else f", torchft {_yes(ft.get('state_equal_after_heal'))}"
+        )
+        heal_target = (
+            "—"
+            if r["heal_ratio"] is None
+            else common.verdict(r["heal_ratio"], TARGET_HEAL_RATIO, "×", "")
+        )
+        gap_target = (
+            "—"
+            if r["gap_over_step"] is None
+            else common.verdict(r["gap_over_step"], TARGET_GAP_OVER_STEP, "×", "")
+        )
+        rows.append(
+            {
+                "what": (
+                    f"local recovery vs torchft, kill -9 → the healed group's first step, {g} "
+                    f"replica groups of one rank, {model}, group 1 killed at step "
+                    f"{result['kill_step']}"
+                ),
+                "result": f"{heal}; {gap}; {equal}",
+                "target": f"heal vs torchft {heal_target}; gap {gap_target}; states equal: "
+                + ("met" if r["state_equal_after_heal"] else "**not met**"),
+            }
+        )
+    return rows
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The human-readable summary (the default output; ``--json`` prints the object)."""
+    for row, (g, r) in zip(table_rows(result), result["groups"].items(), strict=True):
+        print(f"{g} groups: {row['result']}")
+        print(f"  targets: {row['target']}")
+        print(
+            f"  steps at reduced width: trainguard {r['steps_at_reduced_width']}"
+            + ("" if "skipped" in r["torchft"]
+               else f", torchft {r['torchft'].get('steps_at_reduced_width')}")
+        )  # fmt: skip
+        if "skipped" in r["torchft"]:
+            print(f"  torchft: {r['torchft']['skipped']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = bench(args)
+    common.finish("local_recovery", args, result, argv)
+    if not args.json:
+        print_table(result)
     return 0
 
 

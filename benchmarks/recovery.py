@@ -13,8 +13,14 @@ Modes (``--mode``):
   benchmark as it was before in-process recovery; target ratio <= 0.5, trainguard_s < 5 s).
 
 ``--worlds 2,4,8,16`` adds ``scaling``: in-process recovery and torchrun at each world size
-(2 ranks a simulated node), target: the time at 16 ranks <= 1.5x the time at 2.
-``--smoke``: the smallest model, one repeat, an early fault (the CI test of this file).
+(2 ranks a simulated node), target: the time at 16 ranks <= 1.5x the time at 2. A world whose
+launches would be the main comparison's own (world 4 with the tiny model, as ``--smoke``
+has) takes that comparison's first repeat (``from_main_run``) instead of launching again.
+``--smoke``: the smallest model and corpus, one repeat, an early fault, shorter timeouts (the
+CI test of this file, ``--smoke --worlds 4``: three launches, about 50 s on 2 idle cores).
+Its figures show that the benchmark runs, not what recovery costs (the new rank starts cold,
+before its node's spare is warm).
+``--record`` writes ``benchmarks/results/recovery.json`` for the README's table (``table_rows``).
 Pre-flight checks are off for every trainguard launch (they run before training, not in a
 recovery).
 
@@ -64,6 +70,7 @@ Run from the repository root::
     python benchmarks/recovery.py                  # table, 3 repeats
     python benchmarks/recovery.py --json           # one JSON object
     python benchmarks/recovery.py --n-embd 512 --n-layer 8 --kill-step 3 --repeats 5
+    python benchmarks/recovery.py --json --record  # also benchmarks/results/recovery.json
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -83,9 +91,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import common
 import psutil
-
-from trainguard.observe.report import PHASES
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
@@ -97,9 +104,15 @@ TARGETS = {  # mode → (ratio_max, trainguard_s_max)
     "restart": (0.5, 5.0),
 }
 TARGET_SCALING = 1.5  # in-process recovery at 16 ranks vs at 2
+# A recovery's phases in the order they happen (``trainguard report``'s columns; its JSON
+# sorts them by name), then their sum; any other phase the report gives comes after them.
+PHASES = ("detect", "stop", "clean", "replace", "rendezvous", "load_checkpoint", "first_step",
+          "total")  # fmt: skip
 KILL_RANK = 1
+DATA_MAX_BYTES = 4 << 20  # the example's default corpus size
 SMOKE = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
-         "--batch-size", "4", "--kill-step", "6", "--repeats", "1"]  # fmt: skip
+         "--batch-size", "4", "--kill-step", "3", "--repeats", "1",
+         "--data-max-bytes", str(64 << 10), "--timeout", "120"]  # fmt: skip
 TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32, "batch_size": 4}
 
 
@@ -114,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument(
+        "--data-max-bytes",
+        type=int,
+        default=DATA_MAX_BYTES,
+        help="corpus bytes each rank reads at its start (the example's default: 4 MiB)",
+    )
     p.add_argument(
         "--kill-step", type=int, default=30, help="rank 1 is killed at the end of this step"
     )
@@ -130,13 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds per launch before it is killed"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check", action="store_true", help="exit 1 when the target is not met")
     p.add_argument("--mode", choices=sorted(TARGETS), default="inprocess")
     p.add_argument(
         "--worlds", default="", help="comma-separated world sizes for the scaling (tiny model)"
     )
-    p.add_argument("--smoke", action="store_true", help="smallest sizes, one repeat (CI)")
+    common.add_common(p, smoke="smallest sizes, one repeat, early fault (CI)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--smoke" in argv:
         argv = [*SMOKE, *argv]
@@ -154,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kill-step must be >= 2 (a checkpoint must exist) and --steps > --kill-step")
     if args.repeats < 1 or args.timeout <= 0 or args.monitor_interval <= 0:
         p.error("--repeats must be >= 1, --timeout and --monitor-interval > 0")
+    if args.data_max_bytes < 1024:
+        p.error("--data-max-bytes must be >= 1024 (the example needs 1 KiB of text)")
     return args
 
 
@@ -292,7 +312,7 @@ def _model_flags(args: argparse.Namespace, model: dict[str, int] | None = None) 
         "--steps", str(args.steps), "--ckpt-every", "1",
         "--n-layer", str(m["n_layer"]), "--n-head", str(m["n_head"]),
         "--n-embd", str(m["n_embd"]), "--block-size", str(m["block_size"]),
-        "--batch-size", str(m["batch_size"]),
+        "--batch-size", str(m["batch_size"]), "--data-max-bytes", str(args.data_max_bytes),
     ]  # fmt: skip
 
 
@@ -488,8 +508,8 @@ def _repeats(
             with ForeignCpu(marker) as other:
                 res = fn(args, work, env, side)
             res["launch_wall_s"] = time.monotonic() - t0
-            res["foreign_cpu_share"] = other.seconds / (
-                res["launch_wall_s"] * (os.cpu_count() or 1)
+            res["foreign_cpu_share"] = (
+                ratio(other.seconds, res["launch_wall_s"] * (os.cpu_count() or 1)) or 0.0
             )
             runs[name].append(res)
             leaked += _sweep(marker)
@@ -509,7 +529,29 @@ def _median(runs: list[dict[str, Any]], key: str = "seconds") -> float:
 
 
 def _phases(runs: list[dict[str, Any]]) -> dict[str, float]:
-    return {p: statistics.median(float(r["phases_s"][p] or 0.0) for r in runs) for p in PHASES}
+    """The median of each recovery phase over ``runs``, in the order ``trainguard report``
+    lists them (a phase a run did not time counts 0)."""
+    given = {p for r in runs for p in r["phases_s"]}
+    names = [p for p in PHASES if p in given] + sorted(given - set(PHASES))
+    return {p: statistics.median(float(r["phases_s"].get(p) or 0.0) for r in runs) for p in names}
+
+
+def ratio(a: float, b: float) -> float | None:
+    """``a / b``, or None when ``b`` is not a positive finite number (every ratio in the result
+    is finite: a missing figure is null, never NaN or infinity)."""
+    q = a / b if b > 0 and math.isfinite(b) else math.nan
+    return q if math.isfinite(q) else None
+
+
+def _is_main_launch(args: argparse.Namespace, world: int) -> bool:
+    """A scaling world whose launches are the main comparison's own: in-process mode, the same
+    world (2 ranks a node) and the tiny model (``--smoke``). Its first repeat is reused."""
+    return (
+        args.mode == "inprocess"
+        and world == args.nodes * args.nproc
+        and args.nproc == 2
+        and all(getattr(args, k) == v for k, v in TINY.items())
+    )
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -534,25 +576,35 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             runs, leaked = _repeats(args, root, env, marker, sides, args.repeats)
             scaling = []
             for world in args.world_list:
+                if _is_main_launch(args, world):  # the same launches: one run each, reused
+                    scaling.append({"world": world, "reused": True,
+                                    **{k: runs[k][0]["seconds"] for k in ("trainguard", "torchrun")}})  # fmt: skip
+                    continue
                 at = {
                     "trainguard": (run_trainguard, Side(world // 2, 2, inprocess=True, model=TINY)),
                     "torchrun": (run_torchrun, Side(world // 2, 2, inprocess=False, model=TINY)),
                 }
                 w_runs, w_leaked = _repeats(args, root / f"w{world}", env, marker, at, 1)
                 leaked += w_leaked
-                scaling.append({"world": world, **{k: v[0]["seconds"] for k, v in w_runs.items()}})
+                scaling.append(
+                    {
+                        "world": world,
+                        "reused": False,
+                        **{k: v[0]["seconds"] for k, v in w_runs.items()},
+                    }
+                )
         finally:
             leaked += _sweep(marker)
     tg, tr = runs["trainguard"], runs["torchrun"]
     tg_s, tr_s = _median(tg), _median(tr)
-    ratio = tg_s / tr_s if tr_s > 0 else float("inf")
+    vs = ratio(tg_s, tr_s)
     ratio_max, tg_max = TARGETS[args.mode]
     out: dict[str, Any] = {
         "mode": args.mode,
         "trainguard_s": tg_s,
         "torchrun_s": tr_s,
-        "ratio": ratio,
-        "target_met": ratio <= ratio_max and tg_s < tg_max,
+        "ratio": vs,
+        "target_met": vs is not None and vs <= ratio_max and tg_s < tg_max,
         "target": {"ratio_max": ratio_max, "trainguard_s_max": tg_max},
         "trainguard_runs_s": [r["seconds"] for r in tg],
         "torchrun_runs_s": [r["seconds"] for r in tr],
@@ -577,21 +629,23 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "restart_path_s": _median(rp),
             "restart_path_runs_s": [r["seconds"] for r in rp],
             "restart_path_phases_s": _phases(rp),
-            "inprocess_vs_restart_path": tg_s / _median(rp),
+            "inprocess_vs_restart_path": ratio(tg_s, _median(rp)),
         }
     if scaling:
         by = {x["world"]: x["trainguard"] for x in scaling}
         lo, hi = min(by), max(by)
         out["scaling"] = [
-            {"world": x["world"], "trainguard_s": x["trainguard"], "torchrun_s": x["torchrun"]}
+            {"world": x["world"], "trainguard_s": x["trainguard"], "torchrun_s": x["torchrun"],
+             "from_main_run": x["reused"]}
             for x in scaling
-        ]
-        out["scaling_ratio"] = {"worlds": [lo, hi], "ratio": by[hi] / by[lo],
-                                "target_max": TARGET_SCALING}  # fmt: skip
-        out["target_met"] = out["target_met"] and by[hi] / by[lo] <= TARGET_SCALING
+        ]  # fmt: skip
+        grew = ratio(by[hi], by[lo])
+        out["scaling_ratio"] = {"worlds": [lo, hi], "ratio": grew, "target_max": TARGET_SCALING}
+        out["target_met"] = out["target_met"] and grew is not None and grew <= TARGET_SCALING
     out["config"] = {
         "nodes": args.nodes, "nproc_per_node": args.nproc, "world_size": args.nodes * args.nproc,
-        **{k: getattr(args, k) for k in TINY}, "steps": args.steps, "kill_rank": KILL_RANK,
+        **{k: getattr(args, k) for k in TINY}, "data_max_bytes": args.data_max_bytes,
+        "steps": args.steps, "kill_rank": KILL_RANK,
         "kill_step": args.kill_step, "ckpt_every": 1, "repeats": args.repeats,
         "torchrun_monitor_interval_s": args.monitor_interval, "cpus": os.cpu_count(),
         "loadavg_1min_before": load_before, "worlds": args.world_list,
@@ -615,16 +669,16 @@ def print_table(r: dict[str, Any]) -> None:
           + (f"  {'restart path':>12}" if rp else ""))  # fmt: skip
     for i, (a, b) in enumerate(zip(r["trainguard_runs_s"], r["torchrun_runs_s"], strict=True)):
         extra = f"  {rp[i]:>12.2f}" if rp else ""
-        print(f"{i + 1:>6}  {a:>10.2f}  {b:>8.2f}  {a / b:>6.2f}{extra}")
+        print(f"{i + 1:>6}  {a:>10.2f}  {b:>8.2f}  {_fmt(ratio(a, b)):>6}{extra}")
     extra = f"  {r['restart_path_s']:>12.2f}" if rp else ""
     print(f"{'median':>6}  {r['trainguard_s']:>10.2f}  {r['torchrun_s']:>8.2f}  "
-          f"{r['ratio']:>6.2f}{extra}")  # fmt: skip
+          f"{_fmt(r['ratio']):>6}{extra}")  # fmt: skip
     if rp:
         print(f"survivors kept their processes in every repeat: {r['survivors_kept']}")
     ph = r["trainguard_phases_s"]
     print(
         "trainguard phases (median s): kill->exit seen "
-        f"{r['trainguard_exit_seen_s']:.3f}, " + ", ".join(f"{p} {ph[p]:.3f}" for p in PHASES)
+        f"{r['trainguard_exit_seen_s']:.3f}, " + ", ".join(f"{p} {v:.3f}" for p, v in ph.items())
     )
     for x in r.get("scaling", []):
         print(f"  world {x['world']:>3}: trainguard {x['trainguard_s']:.2f} s, "
@@ -633,7 +687,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"target ratio <= {t['ratio_max']} and trainguard < {t['trainguard_s_max']:g} s"
         + (f", world {r['scaling_ratio']['worlds'][1]} <= {TARGET_SCALING}x world "
-           f"{r['scaling_ratio']['worlds'][0]}" if "scaling_ratio" in r else "")
+           f"{r['scaling_ratio']['worlds'][0]}"
+           if "scaling_ratio" in r and len(set(r["scaling_ratio"]["worlds"])) > 1 else "")
         + f": {'met' if r['target_met'] else 'NOT met'} "
         f"(torchrun --monitor-interval {c['torchrun_monitor_interval_s']} s)"
     )  # fmt: skip
@@ -657,6 +712,99 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"warning: killed {r['leaked_processes_killed']} leftover process(es)")
 
 
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def table_rows(result: dict[str, Any]) -> list[common.Row]:
+    """The README's "Measured" rows of a full run's JSON: fault → first resumed step of each
+    side and the ratio against torchrun's target; with ``--worlds``, the scaling too."""
+    c, t = result["config"], result["target"]
+    model = (
+        f"GPT example ({_plural(c['n_layer'], 'layer')}, {c['n_embd']} wide, "
+        f"batch {c['batch_size']})"
+    )
+    crowd = f"{c['cpus']} CPUs for {c['world_size']} ranks and trainguard's processes"
+    inproc = result["mode"] == "inprocess"
+    sides = (
+        [f"in process {result['trainguard_s']:.2f} s",
+         f"restart path {result['restart_path_s']:.2f} s"]
+        if inproc else [f"restart path {result['trainguard_s']:.2f} s"]
+    )  # fmt: skip
+    runs = f"median of {c['repeats']}" if c["repeats"] > 1 else "one run"
+    verdicts = [
+        "ratio " + _verdict(result["ratio"], t["ratio_max"], "×"),
+        ("in process " if inproc else "trainguard ")
+        + common.verdict(result["trainguard_s"], t["trainguard_s_max"], " s"),
+    ]
+    rows: list[common.Row] = [
+        {
+            "what": (
+                f"recovery{' in process' if inproc else ', restart path'}, fault → first resumed "
+                f"step, {model}, world {c['world_size']} ({c['nodes']} nodes × "
+                f"{c['nproc_per_node']}), kill -9 of rank {c['kill_rank']} at step "
+                f"{c['kill_step']}"
+            ),
+            "result": (
+                ", ".join([*sides, f"torchrun {result['torchrun_s']:.2f} s"])
+                + f" (ratio {_fmt(result['ratio'])}; {runs})"
+            ),
+            "target": _why("; ".join(verdicts), crowd),
+        }
+    ]
+    if "scaling" in result:
+        sc, grew = result["scaling"], result["scaling_ratio"]
+        lo, hi = grew["worlds"]
+        rows.append(
+            {
+                "what": (
+                    f"recovery in process at world {lo}"
+                    + (f" to {hi}" if hi != lo else "")
+                    + " (GPT example, 1 layer, 32 wide; 2 ranks a simulated node; one run each)"
+                ),
+                "result": "; ".join(
+                    [
+                        *(
+                            f"world {x['world']}: {x['trainguard_s']:.2f} s "
+                            f"(torchrun {x['torchrun_s']:.2f} s)"
+                            for x in sc
+                        ),
+                        *(
+                            [f"world {hi} took {_fmt(grew['ratio'])}× world {lo}"]
+                            if hi != lo
+                            else []
+                        ),
+                    ]
+                ),
+                "target": (
+                    _why(
+                        f"world {hi} " + _verdict(grew["ratio"], grew["target_max"], "×"),
+                        f"{c['cpus']} CPUs for up to {hi} ranks",
+                    )
+                    if hi != lo
+                    else "—"
+                ),
+            }
+        )
+    return rows
+
+
+def _verdict(value: float | None, limit: float, unit: str) -> str:
+    """``common.verdict``, or the target with "no figure" when the figure is missing."""
+    if value is None:
+        return f"≤ {limit:g}{unit}: **no figure**"
+    return common.verdict(value, limit, unit)
+
+
+def _why(verdicts: str, why_not: str) -> str:
+    """``verdicts``, with the reason once at the end when any of them was not met."""
+    return verdicts + (f" ({why_not})" if "**" in verdicts else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -664,9 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:
         print(f"recovery benchmark: error: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
+    common.finish("recovery", args, result, argv)
+    if not args.json:
         print_table(result)
     return 1 if args.check and not result["target_met"] else 0
 

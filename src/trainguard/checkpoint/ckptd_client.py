@@ -148,7 +148,7 @@ def node_daemon(
     Sets ``TRAINGUARD_CKPTD``, ``TRAINGUARD_SHM_DIR``, ``TRAINGUARD_JOB_ID``,
     ``TRAINGUARD_NODE_ID`` and ``TRAINGUARD_CKPT_DIR`` in ``os.environ`` for the block and
     restores them after. Yields the daemon's socket name (``@trainguard-ckptd-JOB-NODE``).
-    ``job`` defaults to ``standalone<pid>``, ``node`` to ``node0``; ``log`` (ckptd's stderr)
+    ``job`` defaults to ``standalone<pid>``, ``node`` to ``host<pid>``; ``log`` (ckptd's stderr)
     to ``ckpt_dir/ckptd-NODE.log``. On exit ckptd is asked to shut down (its slots unlinked)
     and killed if it has not exited 60 s later.
 
@@ -157,7 +157,7 @@ def node_daemon(
     from trainguard.protocol.ckptd import Shutdown
 
     job = job or f"standalone{os.getpid()}"
-    node = node or "node0"
+    node = node or f"host{os.getpid()}"  # not an agent's node id (node0, ...)
     root = Path(ckpt_dir)
     root.mkdir(parents=True, exist_ok=True)
     log_path = Path(log) if log is not None else root / f"ckptd-{node}.log"

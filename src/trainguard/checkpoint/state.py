@@ -384,8 +384,11 @@ def apply(state: dict[str, Any], conv: dict[str, Any], rank: int) -> None:
 class TypedSavePlanner(DefaultSavePlanner):
     """DCP's save planner, recording ``flatten_typed`` paths as the checkpoint's mappings."""
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    # DCP inspects this signature for ``storage_meta`` (and warns without it): spelt out
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if self.flatten_state_dict:
             self.mappings = flatten_typed(state_dict)[1]
 
@@ -393,8 +396,10 @@ class TypedSavePlanner(DefaultSavePlanner):
 class TypedLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, putting non-tensor values back along ``flatten_typed`` paths."""
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
         if self.flatten_state_dict:
             self.mappings = flatten_typed(self.original_state_dict)[1]
 
