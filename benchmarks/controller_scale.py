@@ -17,7 +17,21 @@ Per size it prints:
   when the simulated agents (the agent's jittered back-off) were all back, and a check from
   the events that the job did not restart and nothing was decided on stale observations.
 
-Run: ``python benchmarks/controller_scale.py --nodes 1024`` (``--json`` for the figures).
+The heartbeat and node timeout are the controller's own, as its run orders carry them to
+the agents (the simulators adopt them, as the agent does). Targets (issue 14): steady p99
+report latency <= 100 ms, a lost node decided within its node timeout + 1 s, the controller
+within one core.
+
+Keys: ``sizes``, one entry a size: ``nodes``, ``workers``, ``heartbeat_s``,
+``node_timeout_s``, ``join_s``, ``controller_cores``, ``controller_rss_mb``,
+``report_p50_ms``, ``report_p99_ms``, ``reports``, ``steady_report_p50_ms``,
+``steady_report_p99_ms``, ``controller_side``, ``fault``, ``fault_node``,
+``detect_after_last_heartbeat_s``, ``replacement_decided_s``, ``replaced_by`` (and
+``controller_restart`` with ``--restart``).
+
+``--smoke``: 32 nodes, one simulator process, a 0.2 s heartbeat and a 2 s node timeout, 2 s
+measured (CI). ``--record`` writes ``benchmarks/results/controller_scale.json``
+(``table_rows``). Run: ``python benchmarks/controller_scale.py --nodes 1024 [--json]``.
 Needs no GPU; everything runs on this machine's loopback and is removed at the end.
 """
 
@@ -40,9 +54,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common
 from node_recovery import wait_until  # beside this file
 
 from trainguard.agent.link import backoff_after
+from trainguard.controller.config import scaled_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"
@@ -61,11 +77,14 @@ def _sim(
     epoch: Any,
     stop: Any,
     out: Any,
+    timing: Any,
 ) -> None:
     """One simulator process: an asyncio client per node of ``nodes``. A node whose report
     fails retries with the agent's jittered back-off (``link.backoff_after``); ``back``
     counts nodes whose first report sent after ``epoch`` (wall time of a controller kill)
-    succeeded."""
+    succeeded. A node reports every ``heartbeat_s`` until a run order carries the
+    controller's heartbeat, then at that one; ``timing`` (heartbeat_s, node_timeout_s) holds
+    the run order's."""
     _raise_fd_limit()
     latencies: list[tuple[float, float]] = []  # (wall time sent, seconds to the answer)
     returned: list[float] = []  # wall time each node reported again after an outage
@@ -81,7 +100,8 @@ def _sim(
         backoff, failed, seen_epoch = 0.1, False, 0.0
         key: tuple[Any, ...] = ()
         template = ""
-        await asyncio.sleep(random.uniform(0, heartbeat_s))
+        hb = heartbeat_s
+        await asyncio.sleep(random.uniform(0, hb))
         while not stop.is_set():
             if kill.value == i:
                 conn.close()
@@ -123,12 +143,14 @@ def _sim(
                 if i == VICTIM:
                     killed_at.value = time.time()  # its last report the controller took
                 if "desired" not in reply:  # unchanged since the last reply
-                    await asyncio.sleep(heartbeat_s * random.uniform(0.9, 1.1))
+                    await asyncio.sleep(hb * random.uniform(0.9, 1.1))
                     continue
                 version, d = int(reply["version"]), reply["desired"]
                 action = d.get("action", "idle")
                 if action == "run":
                     gen, rank = int(d["generation"]), int(d["node_rank"])
+                    hb = float(d.get("heartbeat_s") or hb)  # the agent's: the order's
+                    timing[0], timing[1] = hb, float(d.get("node_timeout_s") or 0.0)
                 elif action == "stop":
                     stopped = int(d["generation"])
                 elif action == "shutdown":
@@ -139,7 +161,7 @@ def _sim(
                 await asyncio.sleep(backoff)
                 backoff = backoff_after(backoff)
                 continue
-            await asyncio.sleep(heartbeat_s * random.uniform(0.9, 1.1))
+            await asyncio.sleep(hb * random.uniform(0.9, 1.1))
 
     async def main() -> None:
         await asyncio.gather(*(node(i) for i in nodes))
@@ -269,13 +291,23 @@ def _events(run: Path) -> list[dict[str, Any]]:
 
 
 def measure(
-    n: int, procs: int, measure_s: float, heartbeat_s: float | None, restart: bool
+    n: int,
+    procs: int,
+    measure_s: float,
+    heartbeat_s: float | None,
+    restart: bool,
+    node_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
     run = tmp / "run"
-    hb = heartbeat_s if heartbeat_s is not None else 0.0
     cfg = tmp / "job.toml"
-    cfg.write_text('preflight = "off"\n' + (f"heartbeat_s = {hb}\n" if hb else ""))
+    cfg.write_text(
+        'preflight = "off"\n'
+        + (f"heartbeat_s = {heartbeat_s}\n" if heartbeat_s else "")
+        + (f"node_timeout_s = {node_timeout_s}\n" if node_timeout_s else "")
+    )
+    # Until the first run order says the controller's own: the scale rule (nodes + standby).
+    hb_start = heartbeat_s or scaled_timing(n + 1)[0]
     log = open(tmp / "controller.log", "w")  # noqa: SIM115 - closed with the process below
     cmd = [sys.executable, "-m", "trainguard", "controller", "--bind", "127.0.0.1:0",
            "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
@@ -299,15 +331,7 @@ def measure(
                      "the controller")  # fmt: skip
         addr = json.loads((run / "controller.json").read_text())["addr"]
         token = (run / "token").read_text().strip()
-        conf = json.loads(
-            subprocess.run(
-                [sys.executable, "-c", "import json,sqlite3,sys;db=sqlite3.connect(sys.argv[1]);"
-                 "print(db.execute(\"select value from kv where key='config'\").fetchone()[0])",
-                 str(run / "job.sqlite")],
-                capture_output=True, text=True, check=True,
-            ).stdout
-        )  # fmt: skip
-        hb_eff, timeout_eff = float(conf["heartbeat_s"]), float(conf["node_timeout_s"])
+        timing = mp.Array("d", [0.0, 0.0])  # (heartbeat_s, node_timeout_s) of the run orders
         kill, killed_at = mp.Value("i", -1), mp.Value("d", 0.0)  # victim's last report (wall)
         back, epoch = mp.Value("i", 0), mp.Value("d", 0.0)
         out: mp.Queue[tuple[list[float], list[float]]] = mp.Queue()
@@ -315,7 +339,19 @@ def measure(
         for k in range(procs):
             p = mp.Process(
                 target=_sim,
-                args=(addr, token, ids[k::procs], hb_eff, kill, killed_at, back, epoch, stop, out),
+                args=(
+                    addr,
+                    token,
+                    ids[k::procs],
+                    hb_start,
+                    kill,
+                    killed_at,
+                    back,
+                    epoch,
+                    stop,
+                    out,
+                    timing,
+                ),
                 daemon=True,
             )
             p.start()
@@ -329,6 +365,10 @@ def measure(
         t_join = time.monotonic()
         wait_until(running, 600, f"{n} nodes to join and run")
         join_s = time.monotonic() - t_join
+        hb_eff, timeout_eff = wait_until(
+            lambda: tuple(timing) if timing[0] > 0 and timing[1] > 0 else None, 60,
+            "a run order's heartbeat and node timeout",
+        )  # fmt: skip
         time.sleep(min(5.0, measure_s))  # settle
         h0 = _scrape(addr, token)
         c0, w0, steady_from = _cpu_s(ctl.pid), time.monotonic(), time.time()
@@ -470,20 +510,82 @@ def _restart(
     }
 
 
-def main() -> int:
+TARGET_P99_MS = 100.0  # steady report latency, p99 (issue 14)
+TARGET_CORES = 1.0  # the controller's CPU
+
+
+def _size_target(row: dict[str, Any]) -> str:
+    p99, timeout = row["steady_report_p99_ms"], row["node_timeout_s"]
+    return "; ".join([
+        "steady p99 "
+        + (common.verdict(p99, TARGET_P99_MS, " ms") if p99 is not None else "not measured"),
+        "lost node decided "
+        + common.verdict(row["detect_after_last_heartbeat_s"], timeout + 1.0, " s",
+                         "node timeout + 1 s"),
+        "controller " + common.verdict(row["controller_cores"], TARGET_CORES, " core"),
+    ])  # fmt: skip
+
+
+def table_rows(result: dict[str, Any]) -> list[common.Row]:
+    """The README's rows: one per size (the three largest measured), the steady latency, the
+    lost node's decision and the controller's CPU against issue 14's targets."""
+    rows: list[common.Row] = []
+    for r in sorted(result["sizes"], key=lambda r: r["nodes"])[-3:]:
+        p50, p99 = r["steady_report_p50_ms"], r["steady_report_p99_ms"]
+        restart = r.get("controller_restart")
+        rows.append(
+            {
+                "what": (
+                    f"controller at {r['nodes']:,} simulated nodes ({r['workers']:,} workers; "
+                    f"heartbeat {r['heartbeat_s']:g} s, node timeout {r['node_timeout_s']:g} s): "
+                    "the real controller process, agents simulated on loopback"
+                ),
+                "result": (
+                    f"steady report p50 {p50 if p50 is not None else 'n/a'} ms, p99 "
+                    f"{p99 if p99 is not None else 'n/a'} ms (handling p99 "
+                    f"{r['controller_side']['report_handling_p99']}, tick p99 "
+                    f"{r['controller_side']['tick_p99']}); controller "
+                    f"{r['controller_cores']:.2f} cores, {r['controller_rss_mb']:.0f} MB; lost "
+                    f"node decided {r['detect_after_last_heartbeat_s']:.1f} s after its last "
+                    f"heartbeat, standby generation {r['replacement_decided_s']:.1f} s later"
+                    + (
+                        f"; controller SIGKILLed and restarted: up in {restart['down_s']:.2f} s, "
+                        f"every node back {restart['all_back_s']:.2f} s later, job untouched"
+                        if restart
+                        else ""
+                    )
+                ),
+                "target": _size_target(r),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="1024,4096,16384", help="comma-separated sizes")
     p.add_argument("--procs", type=int, default=4, help="simulator processes")
     p.add_argument("--measure-s", type=float, default=20.0)
     p.add_argument("--heartbeat-s", type=float, default=None,
                    help="override the job's heartbeat (default: the controller's rule)")  # fmt: skip
+    p.add_argument("--node-timeout-s", type=float, default=None,
+                   help="override the job's node timeout (default: the controller's rule)")  # fmt: skip
     p.add_argument("--restart", action="store_true",
                    help="also SIGKILL and restart the controller mid-run at each size")  # fmt: skip
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args()
+    common.add_common(p, smoke="32 nodes, a 0.2 s heartbeat, 2 s measured (CI)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.nodes, a.procs, a.measure_s, a.heartbeat_s, a.node_timeout_s = "32", 1, 2.0, 0.2, 2.0
+    try:
+        sizes = [int(x) for x in a.nodes.split(",")]
+    except ValueError:
+        p.error(f"--nodes {a.nodes}: comma-separated numbers of nodes")
+    if min(sizes) <= VICTIM or a.procs < 1 or a.measure_s <= 0:
+        p.error(f"--nodes: each size > {VICTIM} (node {VICTIM} is lost mid-run); --procs >= 1; "
+                "--measure-s > 0")  # fmt: skip
     rows = []
-    for n in (int(x) for x in a.nodes.split(",")):
-        row = measure(n, a.procs, a.measure_s, a.heartbeat_s, a.restart)
+    for n in sizes:
+        row = measure(n, a.procs, a.measure_s, a.heartbeat_s, a.restart, a.node_timeout_s)
         rows.append(row)
         if not a.json:
             print(
@@ -509,8 +611,7 @@ def main() -> int:
                     "start; the job did not restart and no decision came before",
                     flush=True,
                 )
-    if a.json:
-        print(json.dumps(rows, indent=2))
+    common.finish("controller_scale", a, {"sizes": rows}, argv)
     return 0
 
 
