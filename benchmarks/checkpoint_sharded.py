@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoint import median_time  # beside this file
+from checkpoint import median_time, tensors_of  # beside this file
 from common import Row, add_common, finish, verdict
 
 REPEATS = 9
@@ -103,20 +103,7 @@ class AppState:
 
 def local_tensors(app: AppState) -> list[torch.Tensor]:
     """This rank's shards of every tensor of the state (``DTensor.to_local``)."""
-    out: list[torch.Tensor] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            out.append(v.to_local() if hasattr(v, "to_local") else v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list | tuple):
-            for x in v:
-                walk(x)
-
-    walk(app.state_dict())
-    return out
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors_of(app.state_dict())]
 
 
 def fsdp_rank(size_gb: float, root: Path, repeats: int) -> dict[str, float]:
