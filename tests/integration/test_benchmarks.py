@@ -6,39 +6,13 @@ local_recovery ~20 s, preflight ~20 s; each timeout below is three to four times
 
 from __future__ import annotations
 
-import importlib
-import json
-import subprocess
-import sys
-from typing import Any
-
-from tests.conftest import ROOT
-
-if str(ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-common = importlib.import_module("common")
-
-
-def _smoke(name: str, *args: str, timeout: float) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, f"benchmarks/{name}.py", "--smoke", "--json", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
-    assert common.finite(result) == [], common.finite(result)
-    rows = importlib.import_module(name).table_rows(result)
-    assert 1 <= len(rows) <= 3, rows
-    for row in rows:
-        assert set(row) == {"what", "result", "target"}, row
-        assert all(isinstance(v, str) and v for v in row.values()), row
-    return result
+from tests.helpers.bench import smoke
 
 
 def test_the_recovery_benchmark_smoke_run_prints_its_keys() -> None:
     # --worlds 4 is the main comparison's own world with the smoke's tiny model: the scaling
     # keys come from its run, without two more launches.
-    r = _smoke("recovery", "--worlds", "4", timeout=180)
+    r = smoke("recovery", "--worlds", "4", timeout=180)
     for key in ("trainguard_s", "torchrun_s", "ratio", "restart_path_s", "survivors_kept",
                 "trainguard_phases_s"):  # fmt: skip
         assert key in r, key
@@ -52,7 +26,7 @@ def test_the_recovery_benchmark_smoke_run_prints_its_keys() -> None:
 
 
 def test_the_local_recovery_benchmark_smoke_run_prints_its_keys() -> None:
-    r = _smoke("local_recovery", timeout=90)["groups"]["2"]
+    r = smoke("local_recovery", timeout=90)["groups"]["2"]
     for key in ("survivor_max_gap_s", "heal_s", "steps_at_reduced_width",
                 "state_equal_after_heal", "torchft", "gap_over_step", "heal_ratio"):  # fmt: skip
         assert key in r, key
@@ -62,7 +36,7 @@ def test_the_local_recovery_benchmark_smoke_run_prints_its_keys() -> None:
 
 
 def test_the_preflight_benchmark_smoke_run_prints_its_keys() -> None:
-    r = _smoke("preflight", timeout=75)
+    r = smoke("preflight", timeout=75)
     for key in ("total_s", "wall_s", "median_total_s", "stage_s", "target_s", "within_target",
                 "load_1min", "abnormal"):  # fmt: skip
         assert key in r, key

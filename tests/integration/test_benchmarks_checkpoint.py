@@ -4,39 +4,16 @@ themselves come from the full sizes (``--record``), not from here."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import common  # noqa: E402
-
-
-def smoke(name: str, *args: str, timeout: float = 300) -> dict[str, Any]:
-    """Run ``benchmarks/NAME.py --smoke --json ARGS``; its JSON, checked finite and rendered."""
-    out = subprocess.run(
-        [sys.executable, f"benchmarks/{name}.py", "--smoke", "--json", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout)
-    assert common.finite(r) == [], common.finite(r)
-    module = __import__(name)
-    rows = module.table_rows(r)
-    assert rows and all(set(row) == {"what", "result", "target"} for row in rows)
-    assert all(row["result"] and row["target"] for row in rows)
-    return r
+from tests.helpers.bench import smoke
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a private tmpfs for the slots (root)")
 def test_the_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
-    r = smoke("checkpoint")
+    r = smoke("checkpoint", timeout=300)
     for key in (
         "save_blocking_over_memcpy", "save_blocking_overlapped_over_memcpy",
         "save_overlapped_with_optimizer_over_memcpy", "restore_memory_over_memcpy",
@@ -52,7 +29,7 @@ def test_the_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
 
 
 def test_the_fsdp_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
-    r = smoke("checkpoint_sharded")
+    r = smoke("checkpoint_sharded", timeout=300)
     ratios = r["fsdp"]["ratios"]
     for key in ("stall_over_memcpy", "restore_verified_over_memcpy", "tg_durable_over_dcp_durable"):
         assert ratios[key] > 0, key
@@ -61,7 +38,7 @@ def test_the_fsdp_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
 
 
 def test_the_storage_benchmark_smoke_run_prints_its_keys() -> None:
-    r = smoke("storage")
+    r = smoke("storage", timeout=300)
     for key in (
         "prefetched_restore_vs_memcpy", "prefetched_restore_checked_while_read_vs_memcpy",
         "prefetch_check_at_restart_s", "upload_s", "restore_s", "incremental", "compression",

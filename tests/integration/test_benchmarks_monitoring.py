@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -29,10 +28,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-
-if str(ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-common = importlib.import_module("common")
+from tests.helpers.bench import checked
 
 
 def _segments(run_dirs: set[Path]) -> list[Path]:
@@ -113,14 +109,7 @@ def _smoke(name: str, tmp_path: Path, *, timeout: float) -> dict[str, Any]:
     assert not netns, f"network namespaces or links left behind: {netns}"
     mine = list(tmp.glob("tg-*"))  # torch's own caches (torchinductor_*) may stay: pytest's
     assert not mine, f"temporary dirs left behind: {mine}"
-    result = json.loads(out)
-    assert common.finite(result) == [], common.finite(result)
-    rows = importlib.import_module(name).table_rows(result)
-    assert 1 <= len(rows) <= 3, rows
-    for row in rows:
-        assert set(row) == {"what", "result", "target"}, row
-        assert all(isinstance(v, str) and v for v in row.values()), row
-    return result
+    return checked(name, json.loads(out))
 
 
 def test_the_step_overhead_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -> None:
