@@ -66,6 +66,19 @@ def finite(value: Any, where: str = "result") -> list[str]:
     return []
 
 
+def stop(p: subprocess.Popen[str]) -> None:
+    """End a launched job: SIGTERM (``trainguard run`` stops its nodes and cleans up), then
+    SIGKILL if it has not exited 30 s later; its pipes are drained."""
+    if p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+
+
 def _git(*args: str) -> str:
     out = subprocess.run(
         ["git", *args], cwd=HERE.parent, capture_output=True, text=True, timeout=30, check=False

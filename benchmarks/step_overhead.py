@@ -110,12 +110,7 @@ def run_to_end(
     try:
         _, err = p.communicate(timeout=timeout)
     except BaseException:
-        p.terminate()
-        try:
-            p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
+        common.stop(p)
         raise
     return p.returncode, err
 

@@ -160,13 +160,8 @@ def detect_cgroup(runs: Runs, a: argparse.Namespace, script: list[str]) -> dict[
         if p.returncode != 0:
             raise SystemExit(f"straggler.py: the cgroup run failed:\n{err[-3000:]}")
     finally:
-        if p is not None and p.poll() is None:
-            p.terminate()
-            try:
-                p.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
+        if p is not None:
+            common.stop(p)
         for _ in range(100):  # its processes leave the cgroup as they exit
             with contextlib.suppress(OSError):
                 cg.rmdir()
