@@ -17,7 +17,7 @@ import torch
 from tests.conftest import FAST_CONFIG, ROOT, events, report, trainguard_cmd
 
 SCRIPT = ROOT / "tests" / "helpers" / "userscripts" / "ddp_tutorial.py"
-EPOCHS = "120"  # ~10 s of training on 2 ranks here: a drill at 6 s lands mid-run
+EPOCHS = "240"  # ~15 s of training on 2 ranks here (after ~4 s of import and init): a drill at 6 s lands mid-run
 
 
 def _printed(log: str) -> list[str]:
