@@ -270,8 +270,9 @@ def test_ckptd_sigkill_during_persistence(
     p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "1", "--size-mb", "4")
     assert p.wait(timeout=120) == 0
     p = _worker(tmp_path, shm, "save", "--first", "2", "--last", "2", "--size-mb", "100", "--hold")
-    tmp = storage.tmp_dir(tmp_path / "checkpoints", 2, 0)
-    wait_for(lambda: (tmp / "rank_0").exists(), 60, "persistence of step 2 to begin")
+    root = tmp_path / "checkpoints"  # step 2 of generation 0, of this run (runid.py)
+    wait_for(lambda: list(root.glob(".tmp-step_2-gen0-*/rank_0")), 60,
+             "persistence of step 2 to begin")  # fmt: skip
     ckptd.send_signal(signal.SIGKILL)
     ckptd.wait(timeout=10)
     p.kill()

@@ -85,6 +85,8 @@ def worker_env(
         rt_api.ENV_SHM_DIR: str(d.ckpt.shm_dir),
         rt_api.ENV_PREFETCH_DIR: str(prefetch_root(d.ckpt.shm_dir, job_id, cfg.node_id)),
         rt_api.ENV_JOB_ID: job_id,
+        rt_api.ENV_RUN_ID: d.run_id,
+        rt_api.ENV_RUN_STARTED: repr(d.run_started),
         rt_api.ENV_REPLICA_SOURCE: str(d.replica_sources.get(str(rank), "")),
         rt_api.ENV_NODE_ID: cfg.node_id,
         rt_api.ENV_REPLICA_GROUPS: str(d.replica_groups),

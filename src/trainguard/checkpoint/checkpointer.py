@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainguard.checkpoint import device, snapshot, storage, tiers
+from trainguard.checkpoint import device, runid, snapshot, storage, tiers
 from trainguard.checkpoint import sdc_drill as sdc
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import (
@@ -120,6 +120,7 @@ class Checkpointer:
         self.max_skipped, self._skipped = max_skipped, 0  # snapshots skipped in a row
         self._grad_flip: sdc.GradFlip | None = None  # an armed sdc:target=grad drill
         self._hooks: list[Any] = []  # optimizer pre-hook handles (removed by abandon)
+        self._run: runid.RunIdentity | None = None  # drawn at the first save (runid.py)
         self._rt.owned.add(self)  # released by an in-process recovery (runtime/inprocess.py)
 
     # ------------------------------------------------------------------ save
@@ -129,7 +130,10 @@ class Checkpointer:
         background, everything else (buffers, counters, RNG and data state) before ``save``
         returns, so the snapshot is one consistent step even when the next forward changes
         buffers. ``durable``: force (True) or skip (False) the disk tier for this step;
-        default: ``step % durable_every == 0``.
+        default: ``step % durable_every == 0``. Every rank saves every step it saves (a step's
+        durable copy is one part per rank); with a process group of several ranks and no
+        ``TRAINGUARD_RUN_ID`` the first save is a collective: rank 0's run identity is
+        broadcast (runid.py), so parts of two runs are never merged.
 
         Raises CheckpointError when the snapshot cannot be staged (e.g. /dev/shm too small,
         a value that cannot be serialized: the message names the key and the fix). Nothing
@@ -148,6 +152,8 @@ class Checkpointer:
         self.wait_staged()
         if durable is None:
             durable = self.durable_every > 0 and step % self.durable_every == 0
+        if self._run is None:
+            self._run = runid.identify()
         if not self.memory_tier:
             self._save_sync(step, state)
             return
@@ -173,6 +179,7 @@ class Checkpointer:
             "world_size": world,
             "durable": durable,
             "time": time.time(),
+            **self._run.to_json(),  # who writes its durable part (runid.py)
         }
 
         def staged() -> None:  # after the copy: the persister takes it from here
@@ -374,7 +381,9 @@ class Checkpointer:
     def _save_sync(self, step: int, state: dict[str, Any]) -> None:
         """Durable-only mode: DCP straight to disk, committed by atomic rename."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = storage.tmp_dir(self.root, step, self._rt.generation)
+        run = self._run
+        assert run is not None  # drawn by _save
+        tmp = storage.tmp_dir(self.root, step, self._rt.generation, run.run_id)
         try:
             dcp.save(
                 state_mod.with_rank_key(state, rank_world()[0]),
@@ -383,12 +392,16 @@ class Checkpointer:
             )
             if rank_world()[0] == 0:
                 try:
-                    storage.commit(tmp, self.root, step, generation=self._rt.generation)
+                    storage.commit(tmp, self.root, step, generation=self._rt.generation, run=run)
                 except FileExistsError:  # a verified copy of this step is there: keep it
                     shutil.rmtree(tmp, ignore_errors=True)
-                storage.prune(
-                    self.root, self.keep, committed_step=step, generation=self._rt.generation
-                )
+                removed: list[str] = []
+                storage.prune(self.root, self.keep, committed_step=step,
+                              generation=self._rt.generation, run_id=run.run_id,
+                              removed=removed)  # fmt: skip
+                if removed:
+                    self._rt.event("ckpt_leftover_removed", step=step, removed=removed,
+                                   reason="temporary directories of a dead run")  # fmt: skip
         except WRITE_ERRORS as e:
             raise CheckpointError(f"saving step {step} to {self.root} failed: {e}") from e
         self._last_durable = step

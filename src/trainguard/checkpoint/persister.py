@@ -8,9 +8,12 @@ are skipped when persistence falls behind):
    copies), checks the header, computes CRC-32C of every tensor → ``<slot>.sum``:
    the snapshot is now a *verified* memory-tier copy;
 2. writes the rank's part with ``torch.distributed.checkpoint`` (single process) to
-   ``<root>/.tmp-step_<N>-gen<G>/rank_<r>/`` and fsyncs it, then a ``.done`` marker
-   listing its files with their checksums (computed while writing: no read-back);
-3. the committer (whoever persists rank 0) waits for every rank's ``.done``, merges
+   ``<root>/.tmp-step_<N>-gen<G>-<run id>/rank_<r>/`` and fsyncs it, then a ``.done`` marker
+   listing its files with their checksums (computed while writing: no read-back) and the
+   run, generation, step and rank that wrote it (runid.py);
+3. the committer (whoever persists rank 0) waits for every rank's ``.done``, checks that each
+   names the committer's run, generation and step (a part of another run is a leftover:
+   removed with a ``ckpt_leftover_removed`` event, never merged), merges
    the per-rank DCP metadata into one global ``.metadata`` (keys are disjoint: rank 0
    holds the replicated state, rank r its ``per_rank.<r>`` and ``per_shard.<id>``), writes the manifest and
    renames the directory to ``step_<N>`` — plain ``dcp.load`` reads it.
@@ -52,6 +55,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from trainguard.checkpoint import fingerprint, snapshot, storage
 from trainguard.checkpoint import state as state_mod
 from trainguard.checkpoint.api import DCP_METADATA, own_key
+from trainguard.checkpoint.runid import RunIdentity
 
 log = logging.getLogger("trainguard.persister")
 DONE = ".done"
@@ -177,12 +181,14 @@ def write_part(
     objects: dict[str, Any],
     mappings: dict[str, list[Any]],
     shards: dict[str, dict[str, Any]] | None = None,
+    written_by: dict[str, object] | None = None,
 ) -> dict[str, dict[str, object]]:
     """One rank's state as a single-process DCP checkpoint in ``part``; returns its file sums
     (size and CRC-32C, computed as the files are written). ``mappings``: DCP flatten mappings
     (key → nested path), kept for the merged metadata; ``shards``: entry key → ShardRecord
     JSON of the entries that are chunks of a global tensor (merged by ``merge_and_commit``).
-    ``objects`` may hold ``Opaque`` values (written as their bytes).
+    ``objects`` may hold ``Opaque`` values (written as their bytes). ``written_by``: who wrote the
+    part (run identity, generation, step, rank), recorded in its ``.done``.
 
     Raises OSError (e.g. ENOSPC) or RuntimeError from DCP on a failed write; ``part`` is
     removed then.
@@ -208,7 +214,8 @@ def write_part(
         else:
             sums = {f"{part.name}/{Path(k).relative_to(part)}": v for k, v in fs.sums.items()}
         tmp = part / (DONE + ".tmp")
-        tmp.write_text(json.dumps({"files": sums, "mappings": mappings, "shards": shards or {}}))
+        done = {"files": sums, "mappings": mappings, "shards": shards or {}, "writer": written_by or {}}
+        tmp.write_text(json.dumps(done))
         os.replace(tmp, part / DONE)
         return sums
     except BaseException:
@@ -216,8 +223,39 @@ def write_part(
         raise
 
 
-def merge_and_commit(tmp: Path, root: Path, step: int, generation: int, world_size: int) -> Path:
-    """Merge every ``rank_<r>/.metadata`` into ``tmp/.metadata`` and commit the step.
+def part_writer(part: Path) -> dict[str, Any]:
+    """Who wrote a persisted part (its ``.done``'s ``writer``: run_id, run_started,
+    generation, step, rank); {} when it records none or is unreadable."""
+    try:
+        w = json.loads((part / DONE).read_text()).get("writer", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return w if isinstance(w, dict) else {}
+
+
+def foreign_parts(tmp: Path, world_size: int, want: dict[str, Any]) -> list[str]:
+    """The parts under ``tmp`` whose writer differs from ``want`` (run id, generation, step):
+    a leftover of another run, never to be merged."""
+    keys = ("run_id", "generation", "step")
+    return [
+        f"rank_{r}"
+        for r in range(world_size)
+        if (tmp / f"rank_{r}" / DONE).exists()
+        and tuple(part_writer(tmp / f"rank_{r}").get(k) for k in keys)
+        != tuple(want.get(k) for k in keys)
+    ]
+
+
+def merge_and_commit(
+    tmp: Path,
+    root: Path,
+    step: int,
+    generation: int,
+    world_size: int,
+    run: RunIdentity | None = None,
+) -> Path:
+    """Merge every ``rank_<r>/.metadata`` into ``tmp/.metadata`` and commit the step (as
+    written by ``run``, recorded in its manifest).
 
     Plain keys are disjoint across parts (rank 0 holds the replicated state, rank r its
     ``per_rank.<r>`` and its ``per_shard.<id>``). A sharded entry becomes one chunk (its global offset, its size) of the
@@ -268,7 +306,7 @@ def merge_and_commit(tmp: Path, root: Path, step: int, generation: int, world_si
         "size": (tmp / DCP_METADATA).stat().st_size,
         storage.CHECKSUM: storage.file_digest(tmp / DCP_METADATA),
     }
-    return storage.commit(tmp, root, step, generation=generation, files=files)
+    return storage.commit(tmp, root, step, generation=generation, files=files, run=run)
 
 
 class Persister:
@@ -301,7 +339,8 @@ class Persister:
         self._pending: dict[
             int, list[tuple[Path, int, int, bool]]
         ] = {}  # rank → [(slot, step, gen, durable)]
-        self._commits: list[tuple[int, int, int]] = []  # (step, generation, world size)
+        # (step, generation, world size, the run that wrote them)
+        self._commits: list[tuple[int, int, int, RunIdentity | None]] = []
         self._verified: dict[int, dict[str, tuple[int, int]]] = {}  # rank → slot path → (step, gen)
         # rank → (step, gen) → [layout, value] of its newest FINGERPRINTS_KEPT verified
         # snapshots (fingerprint.py): facts that outlive the slot, so a report that comes
@@ -577,7 +616,11 @@ class Persister:
                     tensors = {k: v for k, v in tensors.items() if own_key(k, rank) or k in shards}
                     objects = {k: v for k, v in objects.items() if own_key(k, rank)}
                 t0 = time.time()
-                part = storage.tmp_dir(self.root, step, gen) / f"rank_{rank}"
+                run = RunIdentity.from_json(h)
+                part = storage.tmp_dir(self.root, step, gen, run.run_id if run else "")
+                part /= f"rank_{rank}"
+                writer = {**(run.to_json() if run else {}), "generation": gen, "step": step,
+                          "rank": rank}  # fmt: skip
                 try:
                     write_part(
                         part,
@@ -585,6 +628,7 @@ class Persister:
                         objects,
                         h.get("mappings", {}),
                         {k: shards[k] for k in tensors if k in shards},
+                        writer,
                     )
                     fingerprint.write_part(part, fp)  # the step's SDC verdict (retention)
                 except WRITE_ERRORS as e:
@@ -613,7 +657,7 @@ class Persister:
                 raise
         if rank == 0:
             with self._cv:
-                self._commits.append((step, gen, int(h["world_size"])))
+                self._commits.append((step, gen, int(h["world_size"]), RunIdentity.from_json(h)))
                 self._cv.notify_all()
 
     def _mapped(self, path: Path) -> snapshot.Slot:
@@ -640,10 +684,10 @@ class Persister:
                     self._cv.wait()
                 if not self._commits:
                     return
-                step, gen, world = self._commits.pop(0)
+                step, gen, world, run = self._commits.pop(0)
                 self._busy += 1
             try:
-                self._commit(step, gen, world)
+                self._commit(step, gen, world, run)
             except (Exception, CheckpointException) as e:  # report, keep committing later steps
                 log.exception("committing step %d failed", step)
                 reason = describe_write_error(e, self.root, 1 << 20)
@@ -656,8 +700,8 @@ class Persister:
                     self._busy -= 1
                     self._cv.notify_all()
 
-    def _commit(self, step: int, gen: int, world_size: int) -> None:
-        tmp = storage.tmp_dir(self.root, step, gen)
+    def _commit(self, step: int, gen: int, world_size: int, run: RunIdentity | None) -> None:
+        tmp = storage.tmp_dir(self.root, step, gen, run.run_id if run else "")
         deadline = time.monotonic() + self.commit_timeout_s
         parts = [tmp / f"rank_{r}" / DONE for r in range(world_size)]
         self._commits_waiting = True
@@ -667,10 +711,26 @@ class Persister:
             self._commits_waiting = False
         if not all(p.exists() for p in parts):
             return
+        want = {"run_id": run.run_id if run else None, "generation": gen, "step": step}
+        foreign = foreign_parts(tmp, world_size, want)
+        if foreign:  # not this run's: never merged (a writer that named no run, or a copy)
+            for name in foreign:
+                shutil.rmtree(tmp / name, ignore_errors=True)
+            self.emit("ckpt_leftover_removed", step=step, snapshot_generation=gen,
+                      removed=[f"{tmp.name}/{n}" for n in foreign],
+                      reason="parts written by another run or generation")  # fmt: skip
+            self.emit("ckpt_commit_abandoned", step=step, snapshot_generation=gen,
+                      reason="a part was another run's")  # fmt: skip
+            return
         t0 = time.time()
         with contextlib.suppress(FileExistsError):
-            merge_and_commit(tmp, self.root, step, gen, world_size)
-            storage.prune(self.root, self.keep, committed_step=step, generation=gen)
+            merge_and_commit(tmp, self.root, step, gen, world_size, run)
+            removed: list[str] = []
+            storage.prune(self.root, self.keep, committed_step=step, generation=gen,
+                          run_id=run.run_id if run else None, removed=removed)  # fmt: skip
+            if removed:
+                self.emit("ckpt_leftover_removed", step=step, removed=removed,
+                          reason="temporary directories of a dead run or an older generation")  # fmt: skip
             self.emit("ckpt_durable", step=step, snapshot_generation=gen, commit_s=time.time() - t0)
         with self._cv:
             self._cv.notify_all()
@@ -686,10 +746,11 @@ class Persister:
                 newer_done = any(
                     s > step
                     and all(
-                        (storage.tmp_dir(self.root, s, g) / f"rank_{r}" / DONE).exists()
+                        (storage.tmp_dir(self.root, s, g, ru.run_id if ru else "")
+                         / f"rank_{r}" / DONE).exists()
                         for r in range(w)
-                    )
-                    for s, g, w in self._commits
+                    )  # fmt: skip
+                    for s, g, w, ru in self._commits
                 )
             if (
                 time.monotonic() > deadline

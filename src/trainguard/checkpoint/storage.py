@@ -1,8 +1,9 @@
 """Durable tier: ``<root>/step_<N>/`` in plain torch.distributed.checkpoint layout.
 
 A step is committed when its directory exists under its final name: writers fill
-``<root>/.tmp-step_<N>-gen<G>/``, write ``manifest.json`` (size and CRC-32C of every
-file) with fsync, then rename the directory (atomic on POSIX) and fsync the root.
+``<root>/.tmp-step_<N>-gen<G>-<run id>/`` (runid.py: two runs never share one), write
+``manifest.json`` (size and CRC-32C of every file, the run and generation that wrote it) with
+fsync, then rename the directory (atomic on POSIX) and fsync the root.
 A directory without ``.metadata`` and ``manifest.json`` is never listed.
 """
 
@@ -20,6 +21,7 @@ import crc32c
 
 from trainguard.checkpoint import fingerprint
 from trainguard.checkpoint.api import DCP_METADATA, MANIFEST
+from trainguard.checkpoint.runid import RunIdentity, newer
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 8 << 20
@@ -29,8 +31,13 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step}"
 
 
-def tmp_dir(root: Path, step: int, generation: int) -> Path:
-    return root / f".tmp-step_{step}-gen{generation}"
+# ``.tmp-step_<N>-gen<G>[-<run id>]``: a step being written (no run id: a prefetch or download)
+TMP_RE = re.compile(r"^\.tmp-step_(\d+)-gen(\d+)(?:-([0-9A-Za-z]+))?$")
+
+
+def tmp_dir(root: Path, step: int, generation: int, run_id: str = "") -> Path:
+    """Where ``step`` of ``generation`` of run ``run_id`` is written before its commit."""
+    return root / (f".tmp-step_{step}-gen{generation}" + (f"-{run_id}" if run_id else ""))
 
 
 def list_committed(root: Path) -> list[int]:
@@ -88,28 +95,34 @@ def commit(
     *,
     generation: int = 0,
     files: dict[str, dict[str, object]] | None = None,
+    run: RunIdentity | None = None,
 ) -> Path:
-    """Write the manifest (``files``, or checksums of everything in ``tmp``), fsync, and
-    atomically publish ``tmp`` as ``step_<step>``. Returns the final path.
+    """Write the manifest (``files``, or checksums of everything in ``tmp``; the generation and
+    run that wrote it), fsync, and atomically publish ``tmp`` as ``step_<step>``. Returns the
+    final path.
 
-    Raises FileExistsError if the step is already committed by this generation or a newer one
-    and verifies (that copy is kept); a copy of an older generation, or a corrupt one, is
-    replaced.
+    Raises FileExistsError if the step is already committed by a copy at least as new
+    (``runid.newer``: this run's same or a newer generation, or a newer run) that verifies (that
+    copy is kept); an older copy, or a corrupt one, is replaced.
     """
     if files is None:
         files = file_sums(tmp)
     manifest_tmp = tmp / (MANIFEST + ".tmp")
     with open(manifest_tmp, "w") as f:
-        json.dump({"step": step, "generation": generation, "files": files}, f)
+        ident = run.to_json() if run is not None else {}
+        json.dump({"step": step, "generation": generation, **ident, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     os.rename(manifest_tmp, tmp / MANIFEST)
     _fsync_dir(tmp)
     final = step_dir(root, step)
     if final.exists():
-        if committed_generation(root, step) >= generation and not verify(root, step):
-            # this generation's copy, or a newer generation's (a late part of an abandoned
-            # timeline, e.g. re-persisted by a restarted ckptd, never replaces the newer one)
+        old_run = committed_run(root, step)
+        if newer(old_run, committed_generation(root, step), run, generation) and not verify(
+            root, step
+        ):
+            # this generation's copy, or a newer one's (a late part of an abandoned timeline,
+            # e.g. re-persisted by a restarted ckptd, never replaces the newer one)
             raise FileExistsError(f"checkpoint step {step} already committed at {final}")
         # A copy of another generation (a run that resumed from before it: its timeline was
         # abandoned) or one that fails verification: the new, complete copy replaces it. The
@@ -132,6 +145,15 @@ def committed_generation(root: Path, step: int) -> int:
         return int(json.loads((step_dir(root, step) / MANIFEST).read_text()).get("generation", 0))
     except (OSError, ValueError):
         return 0
+
+
+def committed_run(root: Path, step: int) -> RunIdentity | None:
+    """The run that wrote a committed step (from its manifest; None if unrecorded)."""
+    try:
+        d = json.loads((step_dir(root, step) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return RunIdentity.from_json(d) if isinstance(d, dict) else None
 
 
 def verify(root: Path, step: int) -> list[str]:
@@ -220,10 +242,18 @@ def newest_verified(
 
 
 def prune(
-    root: Path, keep: int, *, committed_step: int | None = None, generation: int | None = None
+    root: Path,
+    keep: int,
+    *,
+    committed_step: int | None = None,
+    generation: int | None = None,
+    run_id: str | None = None,
+    removed: list[str] | None = None,
 ) -> list[int]:
     """Delete committed steps beyond the newest ``keep``, and abandoned temp directories:
-    those of steps not newer than ``committed_step`` or of generations older than ``generation``.
+    those of steps not newer than ``committed_step``, of generations older than ``generation``,
+    or written by a run other than ``run_id`` (a dead run's leftovers: never merged, removed);
+    their names are appended to ``removed``.
 
     The newest committed step is never deleted (``keep`` >= 1 is enforced), and an older
     step is deleted only after a newer one is committed. Nor is the newest step before the
@@ -240,13 +270,16 @@ def prune(
     for step in doomed:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     for path in root.glob(".tmp-step_*"):
-        m = re.match(r"^\.tmp-step_(\d+)-gen(\d+)$", path.name)
+        m = TMP_RE.match(path.name)
         if m is None:
             continue
         stale_step = committed_step is not None and int(m.group(1)) <= committed_step
         stale_gen = generation is not None and int(m.group(2)) < generation
-        if stale_step or stale_gen:
+        other_run = run_id is not None and m.group(3) is not None and m.group(3) != run_id
+        if stale_step or stale_gen or other_run:
             shutil.rmtree(path, ignore_errors=True)
+            if removed is not None:
+                removed.append(path.name)
     return doomed
 
 

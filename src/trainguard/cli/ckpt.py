@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -97,9 +96,10 @@ def inventory(run_dir: Path, *, verify: bool) -> list[dict[str, Any]]:
             }
         )
     for tmp in sorted(root.glob(".tmp-step_*")) if root.is_dir() else []:
-        m = re.match(r"^\.tmp-step_(\d+)-gen(\d+)$", tmp.name)
+        m = storage.TMP_RE.match(tmp.name)
         if m:
             parts = sorted(p.parent.name for p in tmp.glob("rank_*/.done"))
+            run = [f"run {m.group(3)}"] if m.group(3) else []
             rows.append(
                 {
                     "step": int(m.group(1)),
@@ -107,7 +107,7 @@ def inventory(run_dir: Path, *, verify: bool) -> list[dict[str, Any]]:
                     "where": str(tmp),
                     "state": "partial",
                     "generation": int(m.group(2)),
-                    "detail": [f"complete parts: {', '.join(parts) or 'none'}"],
+                    "detail": [*run, f"complete parts: {', '.join(parts) or 'none'}"],
                 }
             )
     for path in sorted(shm.glob(f"trainguard-{job}-*-r*-s[0-9]")):

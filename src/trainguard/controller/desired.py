@@ -85,6 +85,8 @@ def desired_for(
         replica_groups=cfg.replica.groups,
         replica_max_local_restarts=cfg.replica.max_local_restarts,
         replica_timeout_s=cfg.replica.quorum_timeout_s,
+        run_id=s.run_id,
+        run_started=s.run_started,
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import secrets
+import time
 from typing import Any
 
 from trainguard.controller.api import Fault, Phase, Pool, Recovery
@@ -19,6 +21,10 @@ class JobState:
     # Runs of this run dir before this one (a re-run after a crash, a stop or the end): the
     # generations of every run of one run dir are numbered in one sequence.
     incarnation: int = 0
+    # This run's identity in its checkpoint parts (checkpoint/runid.py): drawn anew for every
+    # run of the run dir, with the time it was drawn
+    run_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(6))
+    run_started: float = dataclasses.field(default_factory=time.time)
     phase: Phase = Phase.PENDING
     phase_since: float = 0.0
     generation: int = -1  # newest generation started; -1 before the first

@@ -149,6 +149,10 @@ class Run:
     replica_groups: int = 1
     replica_max_local_restarts: int = 10
     replica_timeout_s: float = 30.0
+    # The run (this run of the run dir) whose checkpoint parts the workers write, and when the
+    # controller drew it (Unix seconds): checkpoint/runid.py
+    run_id: str = ""
+    run_started: float = 0.0
 
 
 Desired = Run | Stop | Idle | Check | Shutdown

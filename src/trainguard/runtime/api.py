@@ -26,6 +26,10 @@ ENV_SHM_DIR = "TRAINGUARD_SHM_DIR"  # where snapshot slots live (default /dev/sh
 ENV_PREFETCH_DIR = "TRAINGUARD_PREFETCH_DIR"  # this node's prefetched durable step, if any
 ENV_MEMORY_TIER = "TRAINGUARD_MEMORY_TIER"  # "0" = durable-only checkpoints
 ENV_JOB_ID = "TRAINGUARD_JOB_ID"  # short job id (names shm slots)
+# The run that writes checkpoint parts (checkpoint/runid.py): the controller draws one per run
+# of a run dir; Unix seconds it was drawn
+ENV_RUN_ID = "TRAINGUARD_RUN_ID"
+ENV_RUN_STARTED = "TRAINGUARD_RUN_STARTED"
 ENV_NODE_ID = "TRAINGUARD_NODE_ID"  # this node's id
 ENV_REPLICA_SOURCE = "TRAINGUARD_REPLICA_SOURCE"  # host:port of a ckptd holding our replica
 # Local recovery (runtime/replica.py): G replica groups ("1": off); which restart of its group
