@@ -178,3 +178,33 @@ def test_an_agent_without_its_controller_gives_up_in_bounded_time(tmp_path: Path
     )  # fmt: skip
     assert res.returncode == 3, res.stderr[-2000:]
     assert "no contact with controller" in res.stderr and time.monotonic() - t0 < 45
+
+
+def test_a_run_dir_of_a_newer_format_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A store written by a newer trainguard (a higher SQLite user_version): `run`, `report`
+    and `events` each end with one line naming it and the fix; the file is not touched. One of
+    an older format (user_version 0, before formats were numbered) is read."""
+    import hashlib
+    import sqlite3
+
+    from trainguard.controller.store import FORMAT, Store
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    Store(run_dir).close()  # a real store of this version ...
+    db = sqlite3.connect(run_dir / "job.sqlite")
+    db.execute(f"PRAGMA user_version = {FORMAT + 1}")  # ... as a newer version would leave it
+    db.close()
+    before = hashlib.sha256((run_dir / "job.sqlite").read_bytes()).hexdigest()
+    for args in (["run", "--run-dir", str(run_dir), str(GPT)],
+                 ["report", "--run-dir", str(run_dir)], ["events", "--run-dir", str(run_dir)]):  # fmt: skip
+        res = _run(*args)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, (args, res.stderr)
+        assert f"store format {FORMAT + 1}" in lines[0] and "pass another --run-dir" in lines[0]
+    assert hashlib.sha256((run_dir / "job.sqlite").read_bytes()).hexdigest() == before
+    db = sqlite3.connect(run_dir / "job.sqlite")
+    db.execute("PRAGMA user_version = 0")  # a store written before formats were numbered
+    db.close()
+    res = _run("report", "--run-dir", str(run_dir))
+    assert res.returncode == 0, res.stderr

@@ -3,6 +3,11 @@
 Tables: ``kv`` (job config and state as JSON), ``events`` (every structured event),
 ``steps`` (per-rank step records, with their timed sections as JSON). Writes come from the controller's event loop
 thread only; readers (``trainguard events|report``) open their own connection.
+
+The store's format is its SQLite ``user_version`` (``FORMAT``): a store of an older format is
+brought up to this one when the controller opens it (0: written before formats were numbered;
+1: before per-step sections); one of a newer format, written by a newer trainguard, is refused
+with a one-line error (ValueError) before anything in it is changed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,19 @@ CREATE TABLE IF NOT EXISTS steps (
   t_end REAL NOT NULL, duration_s REAL NOT NULL, loss REAL, tokens INTEGER, sections TEXT,
   PRIMARY KEY (generation, rank, step));
 """
+FORMAT = 2  # the store format this version writes (SQLite user_version)
+
+
+def check_format(db: sqlite3.Connection, path: Path) -> int:
+    """The format of the store ``db`` (its user_version). Raises ValueError naming the fix when
+    a newer trainguard wrote it (this version would misread or damage it)."""
+    found = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if found > FORMAT:
+        raise ValueError(
+            f"{path} was written by a newer trainguard (store format {found}, this version "
+            f"reads up to {FORMAT}); use that version, or pass another --run-dir"
+        )
+    return found
 
 
 class Store:
@@ -32,13 +50,20 @@ class Store:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.db = sqlite3.connect(run_dir / "job.sqlite", timeout=10.0, isolation_level=None)
+        path = run_dir / "job.sqlite"
+        self.db = sqlite3.connect(path, timeout=10.0, isolation_level=None)
+        try:
+            check_format(self.db, path)
+        except ValueError:
+            self.db.close()
+            raise
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
         cols = {r[1] for r in self.db.execute("PRAGMA table_info(steps)")}
         if "sections" not in cols:  # a store written before section timing existed
             self.db.execute("ALTER TABLE steps ADD COLUMN sections TEXT")
+        self.db.execute(f"PRAGMA user_version = {FORMAT}")
         self._jsonl = open(run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
 
     def record(self, kind: str, data: dict[str, Any], *, ts: float | None = None) -> dict[str, Any]:
@@ -101,7 +126,13 @@ def open_readonly(run_dir: Path) -> sqlite3.Connection:
     path = run_dir / "job.sqlite"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no trainguard store here; pass the --run-dir of a job")
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+    try:
+        check_format(db, path)
+    except ValueError:
+        db.close()
+        raise
+    return db
 
 
 def read_kv(db: sqlite3.Connection, key: str) -> Any:
