@@ -1,14 +1,17 @@
 """The benchmarks are product code: each ``--smoke`` size runs here (real processes, a real
 kill -9) and prints the keys its issue names, every figure finite, and its ``table_rows``
 renders the README's "Measured" rows from the result (the figures themselves are measured by
-the full sizes, not in CI). Smoke wall times on the 2-core machine, idle: recovery ~55 s,
+the full sizes, not in CI). The recovery smoke runs in CI's slow run. Smoke wall times on the 2-core machine, idle: recovery ~55 s,
 local_recovery ~20 s, preflight ~20 s; each timeout below is three to four times that."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.bench import smoke
 
 
+@pytest.mark.slow  # ~55 s: CI's slow run (the default suite stays under 15 min)
 def test_the_recovery_benchmark_smoke_run_prints_its_keys() -> None:
     # --worlds 4 is the main comparison's own world with the smoke's tiny model: the scaling
     # keys come from its run, without two more launches.

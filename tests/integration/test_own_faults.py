@@ -5,7 +5,6 @@ each test ends with the losses of the fault-free run for every step."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -41,6 +40,9 @@ from tests.conftest import (
 )
 from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.replica import replica_path
+from trainguard.faults.chaos import flip as _flip
+from trainguard.faults.chaos import flip_snapshot as _flip_snapshot
+from trainguard.faults.chaos import job_id as _job
 
 STEPS = 120
 # Steps 5x longer (a sleep on rank 0; the losses do not change): a job that must still be
@@ -54,10 +56,6 @@ ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--durable-every", "1
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The fault-free run's losses (two nodes, same model, data and seed)."""
     return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
-
-
-def _job(run_dir: Path) -> str:
-    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
 
 
 def _workers(run_dir: Path, generation: int, n: int = 2) -> dict[int, int]:
@@ -94,23 +92,6 @@ def _step(path: Path) -> int:
 
 def _newest(shm: Path, job: str, node: str, rank: int) -> int:
     return max(_step(p) for p in snapshot.slot_paths(shm, job, node, rank))
-
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
-def _flip_snapshot(path: Path) -> tuple[int, int]:
-    """Flip a byte inside the first tensor of a snapshot file; returns its (step, generation)."""
-    h = snapshot.peek_header(path)
-    assert h is not None, path
-    t = max(h["layout"]["tensors"], key=lambda e: e["nbytes"])
-    _flip(path, t["offset"] + t["nbytes"] // 2)
-    return int(h["step"]), int(h["generation"])
 
 
 def _wait_verified(path: Path) -> None:

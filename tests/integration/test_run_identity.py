@@ -132,6 +132,7 @@ def _torchrun(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow  # the default run has the user-launcher case; torchrun's in CI's slow run
 def test_torchrun_ranks_never_merge_a_dead_runs_part(tmp_path: Path) -> None:
     res = _torchrun(tmp_path, "--value", "1", "--steps", str(STEP), "--crash-at", str(STEP))
     assert res.returncode != 0 and (tmp_path / "between-parts").exists(), res.stderr[-2000:]

@@ -1,4 +1,5 @@
-"""``trainguard`` command line: run, controller, agent, check, status, ckpt, events, report.
+"""``trainguard`` command line: run, controller, agent, check, status, ckpt, events, report,
+chaos.
 
 Every bad input ends in one line ``trainguard: error: <problem>; <fix>`` and exit
 status 2, before any process starts.
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from trainguard import __version__
+from trainguard.cli.chaos import chaos_parser
 from trainguard.controller.config import PreflightLevel, field_of
 from trainguard.faults.inject import KINDS as INJECT_KINDS
 
@@ -276,6 +278,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser("check", help="pre-flight node checks: host, GEMM, collectives, training")
     )
     _reading_parsers(sub)
+    chaos_parser(
+        sub.add_parser("chaos", help="the GPT example under random faults, then a fault-free run")
+    )
     return p
 
 
@@ -330,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                     give_up_s=args.give_up_after if args.give_up_after > 0 else None,
                 )
             )
+        if args.cmd == "chaos":
+            from trainguard.cli.chaos import chaos_command
+
+            return chaos_command(args)
         if args.cmd == "ckpt":
             from trainguard.cli.ckpt import main as ckpt_main
 
