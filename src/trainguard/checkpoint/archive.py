@@ -46,6 +46,7 @@ from trainguard.checkpoint.remote import (
     describe,
     retry,
 )
+from trainguard.checkpoint.runid import RunIdentity
 
 __all__ = ["CHUNK", "Archive", "ArchiveError", "check_archive_url"]
 # Bytes a chunk: S3's advice for ranged requests is 8-16 MiB; the smaller end keeps what an
@@ -333,7 +334,8 @@ class Archive:
                 finally:
                     os.close(fd)
             gen = int(m.get("generation", 0))
-            return storage.commit(tmp, root, step, generation=gen, files=m["files"])
+            run = RunIdentity.from_json(m)  # the run that wrote it, as its manifest says
+            return storage.commit(tmp, root, step, generation=gen, files=m["files"], run=run)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
