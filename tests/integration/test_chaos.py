@@ -1,5 +1,5 @@
 """Chaos: ``trainguard chaos``, the GPT example under random faults of every kind for minutes,
-then the losses of a fault-free run for every step (the command: ``faults/chaos_run.py``).
+then the losses of a fault-free run for every step (the command: ``chaos/run.py``).
 
 Faults, one every 4–10 s, each on a random target: SIGKILL and SIGSTOP of a worker, SIGKILL of
 an agent (a lost node), of a ckptd (killed, or frozen for up to 20 s), SIGSTOP of the

@@ -38,11 +38,11 @@ from tests.conftest import (
     trainguard_cmd,
     wait_for,
 )
+from trainguard.chaos.faults import flip as _flip
+from trainguard.chaos.faults import flip_snapshot as _flip_snapshot
+from trainguard.chaos.faults import job_id as _job
 from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.replica import replica_path
-from trainguard.faults.chaos import flip as _flip
-from trainguard.faults.chaos import flip_snapshot as _flip_snapshot
-from trainguard.faults.chaos import job_id as _job
 
 STEPS = 120
 # Steps 5x longer (a sleep on rank 0; the losses do not change): a job that must still be

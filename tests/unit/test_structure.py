@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # specs and mechanisms), runtime (what a worker imports), checkpoint, health (pre-flight
 # checks); agent and controller are peers that meet only in protocol (neither imports the
 # other); observe reads the controller's store; the CLI wires everything together (it hands
-# the controller observe's dashboard) and nothing imports it.
+# the controller observe's dashboard) and nothing imports it; chaos drives whole jobs from
+# outside (the CLI's ``trainguard chaos``).
 _BASE = {"protocol", "faults", "runtime", "checkpoint"}
 LAYERS: dict[str, set[str]] = {
     "protocol": set(),
@@ -27,7 +28,8 @@ LAYERS: dict[str, set[str]] = {
     "controller": _BASE | {"health"},
     "observe": _BASE | {"health", "controller"},
     "integrations": _BASE,
-    "cli": _BASE | {"health", "agent", "controller", "observe"},
+    "chaos": _BASE | {"health", "controller", "observe"},
+    "cli": _BASE | {"health", "agent", "controller", "observe", "chaos"},
 }
 
 
