@@ -54,6 +54,7 @@ from trainguard.protocol import (
     Shutdown,
     StepRecord,
     Stop,
+    clock,
 )
 from trainguard.protocol import ckptd as ckptd_wire
 from trainguard.protocol.worker import (
@@ -612,7 +613,7 @@ class Agent:
                         w.inprocess = True
                         self._report_now.set()
                     if it.parked and w.state == "running":
-                        w.state, w.parked_at = "parked", time.time()
+                        w.state, w.parked_at = "parked", clock.wall()
                         self._report_now.set()
                     if it.phase or (since is not None and wk.working(w, it, since)):
                         w.last_progress_mono = now
@@ -649,7 +650,7 @@ class Agent:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _event(self, kind: str, **data: Any) -> None:
-        data.setdefault("ts", time.time())
+        data.setdefault("ts", clock.wall())
         event = protocol.ReportEvent.from_json({"kind": kind, **data})
         with self._lock:
             self._events.append(event)
@@ -695,7 +696,7 @@ class Agent:
             ckptd=ckptd,
             health=health,
             checks=checks,
-            time=time.time(),  # the controller measures clock skew from it
+            time=clock.wall(),  # the controller measures clock skew from it
             steps=[
                 protocol.StepBatch(generation=g, rank=r, items=its) for (g, r), its in steps.items()
             ],

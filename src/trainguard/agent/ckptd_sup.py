@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainguard.checkpoint import ckptd_client as ckptd_mod
-from trainguard.protocol import CkptConf, Desired, Run, Stop
+from trainguard.protocol import CkptConf, Desired, Run, Stop, clock
 from trainguard.protocol import ckptd as wire
 
 R = TypeVar("R")
@@ -135,7 +135,7 @@ class CkptdSupervisor:
             return self._refresh(desired, rescan)
 
     def _refresh(self, desired: Desired, rescan: bool) -> list[dict[str, Any]]:
-        asked = time.time()
+        asked = clock.wall()
         if self.proc is None or self.proc.poll() is not None:
             self.memory, self.fingerprints = {}, {}
             self.refreshed_at = asked  # no daemon: nothing in memory, known now

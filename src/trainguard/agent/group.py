@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from trainguard.agent import workers as wk
+from trainguard.protocol import clock
 
 
 class Proc(Protocol):
@@ -205,7 +206,7 @@ class WorkerGroup:
             if code is None:
                 continue
             exited = True
-            w.exit_code, w.exited_at = code, time.time()
+            w.exit_code, w.exited_at = code, clock.wall()
             if stopping:
                 w.state = "stopped"
             elif code == 0:
@@ -245,12 +246,12 @@ class WorkerGroup:
         self.launcher.stop(
             [w.proc for r, w in self.workers.items() if r not in kept], grace_s=grace_s
         )
-        self.stopped_at = time.time()
+        self.stopped_at = clock.wall()
         self.poll(stopping=True)
         pids = {w.proc.pid for w in kept.values()}
         killed = self.launcher.clean(self.launcher.pids | keep | pids)
         wk.drop_orphan_semaphores()  # the killed ranks' (their resource trackers died too)
-        self.cleaned_at = time.time()
+        self.cleaned_at = clock.wall()
         self._on_event(
             "workers_stopped",
             generation=self.generation,

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import psutil
 
-from trainguard.protocol import WorkerReport
+from trainguard.protocol import WorkerReport, clock
 from trainguard.protocol.worker import Heartbeat
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -259,7 +259,7 @@ def drop_orphan_semaphores(shm: Path = Path("/dev/shm"), min_age_s: float = 5.0)
     ``sem.XXXXXX (deleted)`` (matching names removed live semaphores of other jobs on the
     host). One younger than ``min_age_s`` seconds is left (made a moment ago). Returns the
     names removed."""
-    now = time.time()
+    now = clock.wall()
     inodes: dict[str, int] = {}
     for f in shm.glob("sem.mp-*"):
         with contextlib.suppress(OSError):

@@ -44,6 +44,7 @@ from trainguard.controller.api import Pool
 from trainguard.controller.jobstate import pool_lists, state_json
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
+from trainguard.protocol import clock
 
 if TYPE_CHECKING:
     from trainguard.controller.server import Controller
@@ -155,7 +156,7 @@ class HttpApi:
         if (
             old is not None
             and old.incarnation != report.incarnation
-            and time.time() - old.last_seen < 2 * self.ctl.cfg.timeouts.heartbeat_s + 0.5
+            and clock.wall() - old.last_seen < 2 * self.ctl.cfg.timeouts.heartbeat_s + 0.5
         ):
             # Another agent still reports under this node id (a rebooted node's old agent has
             # stopped reporting by now): two hosts share a name.
@@ -197,7 +198,7 @@ class HttpApi:
     async def _status(self, request: web.Request) -> web.Response:
         out = state_json(self.ctl.state)
         out["lists"] = pool_lists(out["pools"])
-        now = time.time()
+        now = clock.wall()
         out["nodes"] = {
             n: {
                 "addr": o.addr,
@@ -271,7 +272,7 @@ class HttpApi:
                 {"error": "a pre-flight run is in progress", "run": self.ctl.preflight.active.id},
                 status=409,
             )
-        now = time.time()
+        now = clock.wall()
         busy = sorted(n for n, p in self.ctl.state.pools.items() if p == Pool.RUNNING)
         idle = [n for n in sorted(self.ctl.obs) if self.ctl.alive(n, now) and n not in busy]
         if not idle:

@@ -22,7 +22,6 @@ Names follow Prometheus conventions (base units, ``_total`` for counters, ``_sec
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from trainguard.checkpoint import storage
-from trainguard.protocol import StepRecord
+from trainguard.protocol import StepRecord, clock
 
 PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -40,7 +39,7 @@ class StepFigures:
     """Rank 0's step records folded into goodput, rate and save-stall figures."""
 
     def __init__(self) -> None:
-        self.started = time.time()
+        self.started = clock.wall()
         self.productive_s = 0.0
         self.newest = -1  # newest step counted (a recomputed step is not counted again)
         self.recent: collections.deque[float] = collections.deque(maxlen=20)
@@ -105,7 +104,7 @@ class JobCollector(Collector):
             hist.add_metric([phase], buckets, sum(values))
         yield hist
         st = self.steps
-        wall = max(time.time() - st.started, 1e-9)
+        wall = max(clock.wall() - st.started, 1e-9)
         yield GaugeMetricFamily(
             "trainguard_goodput_ratio",
             "Rank 0's productive step time over wall time since the job started",

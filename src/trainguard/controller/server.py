@@ -41,6 +41,7 @@ from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
+from trainguard.protocol import clock
 
 log = logging.getLogger("trainguard.controller")
 Event = tuple[str, dict[str, Any]]
@@ -123,11 +124,11 @@ class Controller:
         if resume is not None:
             self.state = resume
         elif rerun_of is not None:
-            self.state = next_incarnation(rerun_of, time.time())
+            self.state = next_incarnation(rerun_of, clock.wall())
         else:
-            self.state = JobState(phase_since=time.time())
+            self.state = JobState(phase_since=clock.wall())
         self._resume_until = (
-            time.time() + cfg.timeouts.node_timeout_s if resume is not None else 0.0
+            clock.wall() + cfg.timeouts.node_timeout_s if resume is not None else 0.0
         )
         self._back_since = 0.0  # reports older than this are stale (a freeze of this process)
         self._dirty: set[str] = set()  # nodes that reported since the last publish
@@ -137,7 +138,7 @@ class Controller:
         self._signature: tuple[Any, ...] = ()
         self._last_tick = time.monotonic()
         # Desired-state versions grow across controller restarts (agents ignore older ones).
-        self._version_base = int(time.time() * 1000)
+        self._version_base = int(clock.wall() * 1000)
         self._inputs = Inputs()  # for the next decide (the executor never edits the state)
         self.desired: dict[str, tuple[int, protocol.Desired]] = {}
         self.changed = asyncio.Condition()
@@ -270,7 +271,7 @@ class Controller:
     def ingest(self, report: protocol.AgentReport) -> None:
         """Take one report (validated): the intake's facts go to the next tick's inputs, and
         what the policy does about its detectors' findings with them."""
-        now = time.time()
+        now = clock.wall()
         moved, findings = self.intake.take(report, self.state, self._inputs, now)
         if moved:
             self._full_publish = True  # peers' desired states name this node's addresses
@@ -328,12 +329,12 @@ class Controller:
         if gap > max(2.0, self.cfg.timeouts.node_timeout_s / 2):
             # This process was frozen (SIGSTOP, a stalled VM, swapping): every report it holds
             # is old, so no node is lost by its clock until each has reported again.
-            self._back_since = time.time()
+            self._back_since = clock.wall()
             self._resume_until = self._back_since + self.cfg.timeouts.node_timeout_s
             self.store.record("controller_paused", {"gap_s": round(gap, 2)})
             log.warning("controller was frozen for %.1fs: waiting for fresh reports", gap)
         if self._resume_until:
-            if time.time() < self._resume_until and not self._all_back():
+            if clock.wall() < self._resume_until and not self._all_back():
                 return False  # after a controller restart: let every node report first
             self._resume_until = 0.0
         return True
@@ -354,16 +355,16 @@ class Controller:
     async def _decide_tick(self) -> None:
         if self.preflight is not None:
             try:
-                now = time.time()
+                now = clock.wall()
                 verdicts = self._checking.tick(
                     self.preflight, now, self.obs, self.state, self.cfg, self.store, self.check_only
                 )
                 self._inputs.verdicts.update(verdicts)
             except Exception:  # a bug in the checks must not stop the job's decisions
                 log.exception("pre-flight tick failed; the run is abandoned")
-                self.preflight.abandon(time.time(), "pre-flight failed internally (see log)")
+                self.preflight.abandon(clock.wall(), "pre-flight failed internally (see log)")
         if self.check_only:
-            self._check_only_tick(time.time())
+            self._check_only_tick(clock.wall())
             return
         obs = dict(self.obs)  # reports that arrive meanwhile go to the next tick
         inputs, self._inputs = self._inputs, Inputs()
@@ -408,7 +409,7 @@ class Controller:
         unusable = s.unusable + [list(p) for p in inputs.unusable]
         ckpt, events, agreed = self._durable(unusable) if needs_ckpt else ([], [], [])
         inputs.agreed += agreed  # this tick's own inputs (merged back if the tick fails)
-        new, decided = decide(s, obs, time.time(), self.cfg, ckpt, inputs)
+        new, decided = decide(s, obs, clock.wall(), self.cfg, ckpt, inputs)
         return new, events + decided, self._wants(new, obs, nodes)
 
     def _wants(

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.protocol import StepRecord
+from trainguard.protocol import StepRecord, clock
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -68,7 +67,7 @@ class Store:
 
     def record(self, kind: str, data: dict[str, Any], *, ts: float | None = None) -> dict[str, Any]:
         """Append one event to both logs; returns it as written."""
-        ts = time.time() if ts is None else ts
+        ts = clock.wall() if ts is None else ts
         row = {"ts": ts, "kind": kind, **data}
         self.db.execute(
             "INSERT INTO events (ts, kind, generation, node, rank, step, data) VALUES (?,?,?,?,?,?,?)",

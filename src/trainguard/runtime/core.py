@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from trainguard.faults.inject import InjectSpec, loads
+from trainguard.protocol import clock
 from trainguard.protocol.report import StepRecord
 from trainguard.protocol.worker import (
     Alive,
@@ -121,7 +122,7 @@ class Runtime:
         self.restore_step: int | None = int(restore) if restore else None
         self._node_id = env.get(api.ENV_NODE_ID, "")
         self._injects = [s for s in loads(env.get(api.ENV_INJECT, "")) if self._targets_me(s)]
-        self._last_end = time.time()
+        self._last_end = clock.wall()
         self._last_step: int | None = None
         self._slow_debt_s = 0.0
         self._steps_ended = 0  # in this generation (its first step includes start-up)
@@ -203,7 +204,7 @@ class Runtime:
                 self._maybe_fire(spec, spec.step, 0.0)
         self.coll_issued += 1
         if self._first_issue is None:
-            now = time.time()  # this rank reached the step's first collective
+            now = clock.wall()  # this rank reached the step's first collective
             self._first_issue = now
             if self._last_done is not None:  # own work since its previous collective ended
                 self._gap = now - self._last_done
@@ -211,7 +212,7 @@ class Runtime:
 
     def collective_done(self, t0: float) -> None:
         self.coll_done += 1
-        self._last_done = time.time()
+        self._last_done = clock.wall()
         if self.timing:
             self.add_time("communication", time.perf_counter() - t0)
 
@@ -273,7 +274,7 @@ class Runtime:
         ``grad_norm`` the total gradient norm (what ``clip_grad_norm_`` returns; the
         controller's silent-corruption check watches it, see controller/analysis.py).
         """
-        now = time.time()
+        now = clock.wall()
         duration = now - self._last_end
         self._last_end = now
         self._last_step = step
@@ -300,13 +301,13 @@ class Runtime:
     def event(self, kind: str, **data: Any) -> None:
         """Send a structured event (e.g. ``ckpt_load_end``) to the agent, off the training thread."""
         if self._agent is not None:
-            self._queue.put(WorkerEvent(kind=kind, ts=time.time(), data=data))
+            self._queue.put(WorkerEvent(kind=kind, ts=clock.wall(), data=data))
 
     def event_now(self, kind: str, **data: Any) -> None:
         """Send an event synchronously, for one the process may not outlive (an error it is
         about to raise): on loopback the datagram is in the agent's buffer when this returns."""
         with contextlib.suppress(OSError):
-            self._send_now(WorkerEvent(kind=kind, ts=time.time(), data=data))
+            self._send_now(WorkerEvent(kind=kind, ts=clock.wall(), data=data))
 
     def beat_now(self) -> None:
         """Send a heartbeat synchronously (a change the agent must know before the next beat:
@@ -323,7 +324,7 @@ class Runtime:
         """Tell the agent ``spec`` fires at ``step``. Delivered synchronously: on loopback the
         datagram sits in the agent's socket buffer before the fault happens."""
         data = {"inject": spec.to_json(), "step": step}
-        self._send_now(WorkerEvent(kind="inject_fired", ts=time.time(), data=data))
+        self._send_now(WorkerEvent(kind="inject_fired", ts=clock.wall(), data=data))
 
     def _maybe_fire(self, spec: InjectSpec, step: int, duration: float) -> None:
         if spec.kind == "sdc":
@@ -385,7 +386,7 @@ class Runtime:
         with contextlib.suppress(Exception):
             fingerprint = self._main_fingerprint()
         return Heartbeat(
-            ts=time.time(),
+            ts=clock.wall(),
             step=self._last_step,
             coll=(self.coll_issued, self.coll_done),
             cpu_s=self._main_cpu_s(),
