@@ -295,6 +295,59 @@ def test_ckptd_sigkill_during_persistence(
         d2.wait(timeout=60)
 
 
+def test_ckptd_killed_after_rank_0s_part_before_the_commit_still_commits_the_step(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    """Two ranks on one node. Rank 0's part of step 1 is written; its commit waits for rank 1's
+    part; ckptd is SIGKILLed there (and rank 0's worker with it). A new ckptd adopts rank 0's
+    slot (verified, its part on disk) and queues the commit again; rank 1 saves step 1 later:
+    step 1 is committed and both ranks restore their own bytes. (Before, the new ckptd only
+    indexed rank 0's slot: the step never committed, and rank 1's closing wait timed out.)"""
+    root = tmp_path / "checkpoints"
+
+    def rank(r: int, *args: str) -> subprocess.Popen[str]:
+        env = {**_env(tmp_path, shm), "RANK": str(r), "WORLD_SIZE": "2",
+               "TRAINGUARD_RUN_ID": "killedckptd"}  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, str(WORKER), *args, "--root", str(root)], text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+
+    r0 = rank(0, "save", "--first", "1", "--last", "1", "--size-mb", "4", "--hold")
+    try:
+        wait_for(lambda: list(root.glob(".tmp-step_1-gen0-*/rank_0/.done")), 60,
+                 "rank 0's part of step 1")  # fmt: skip
+        time.sleep(0.5)  # the committer is waiting for rank 1's part
+        assert storage.list_committed(root) == []
+        ckptd.send_signal(signal.SIGKILL)
+        ckptd.wait(timeout=10)
+    finally:
+        r0.kill()
+        r0.communicate(timeout=10)
+    d2 = _start_ckptd(tmp_path, shm)
+    try:
+        r1 = rank(1, "save", "--first", "1", "--last", "1", "--size-mb", "4")
+        try:
+            _, err = r1.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            r1.kill()
+            _, err = r1.communicate()
+        assert r1.returncode == 0, err[-2000:]
+        assert storage.list_committed(root) == [1] and storage.verify(root, 1) == []
+        for r in (0, 1):
+            p = rank(r, "load", "--size-mb", "4")
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            assert json.loads(out.strip().splitlines()[-1]) == {
+                "step": 1, "bytes_ok": True, "pos": 10,
+            }  # fmt: skip
+    finally:
+        c = CkptdClient(socket_name(JOB, NODE))
+        c.call(Shutdown(unlink=True))
+        c.close()
+        d2.wait(timeout=60)
+
+
 def test_a_snapshot_staged_but_never_verified_is_adopted_and_persisted(
     tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
 ) -> None:

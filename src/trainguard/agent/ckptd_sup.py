@@ -116,6 +116,9 @@ class CkptdSupervisor:
                 idle=self._idle,
             )
             self._peers = None  # a new ckptd must be told its peers again
+            # ... and a planned stop's Persist order: the old one may have died before it
+            # wrote the parts (the new one adopts a memory-only snapshot as indexed only)
+            self._persisted = None
         except ckptd_mod.CheckpointError as e:
             log.error("%s", e)
 
