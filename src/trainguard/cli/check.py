@@ -20,7 +20,6 @@ import asyncio
 import datetime
 import json
 import logging
-import os
 import sys
 import time
 import urllib.error
@@ -145,7 +144,7 @@ async def _local(
     args: argparse.Namespace, ccfg: CheckConfig
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     from trainguard.cli.controller import parse_bind, read_or_create_token
-    from trainguard.cli.run import Cluster, _check_writable
+    from trainguard.cli.run import Cluster, _check_writable, controller_info
 
     run_dir = (
         args.run_dir or Path("runs") / datetime.datetime.now().strftime("check-%Y%m%d-%H%M%S")
@@ -166,9 +165,7 @@ async def _local(
         dashboard=DASHBOARD,
     )  # fmt: skip
     host, port = await controller.start()
-    (run_dir / "controller.json").write_text(
-        json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()})
-    )
+    controller_info(run_dir, host, port)
     cluster = None
     if args.bind:
         print(

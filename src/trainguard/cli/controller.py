@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from trainguard.cli.run import (
     VIEW_TOKEN,
     _lock_run_dir,
     build_config,
+    controller_info,
     finish,
     previous_run,
     read_or_create_token,
@@ -63,8 +63,7 @@ async def _serve(
         dashboard=DASHBOARD,
     )  # fmt: skip
     host, port = await controller.start()
-    info = Path(cfg.run_dir) / "controller.json"
-    info.write_text(json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()}))
+    controller_info(Path(cfg.run_dir), host, port)
     got: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

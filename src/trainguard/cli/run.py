@@ -356,8 +356,24 @@ def previous_run(store: Store, run_dir: Path) -> JobState | None:
         ) from None
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or keeps what it held: written to a temp file beside it
+    and renamed over it (a kill mid-write leaves no torn file: ``controller.json``)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def controller_info(run_dir: Path, host: str, port: int) -> None:
+    """``RUN_DIR/controller.json``: where this controller listens, and its pid (``trainguard
+    status``, agents, a restarted controller's port), written atomically."""
+    write_atomic(run_dir / "controller.json", json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()}))
+
+
 def read_or_create_token(path: Path) -> str:
-    """The job token in ``path``; a new random one is written there (0600) if it is missing."""
+    """The job token in ``path``; a new random one is written there (0600) if it is missing:
+    into a temp file first, then linked to ``path`` (a kill leaves no empty token file, and of
+    two processes making one at once, the first link wins and the other reads it)."""
     if path.exists():
         token = path.read_text().strip()
         try:
@@ -370,9 +386,18 @@ def read_or_create_token(path: Path) -> str:
             )
         return token
     token = secrets.token_hex(16)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another process made it first: its token is the job's
+        return read_or_create_token(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return token
 
 
@@ -400,8 +425,7 @@ async def _run(
         loop.add_signal_handler(
             sig, lambda s=sig: (got_signal.append(s), controller.request_stop())
         )
-    info = {"addr": f"{host}:{port}", "pid": os.getpid()}
-    (Path(cfg.run_dir) / "controller.json").write_text(json.dumps(info))  # status, check
+    controller_info(Path(cfg.run_dir), host, port)  # status, check
     log.info("controller on %s:%d; run dir %s", host, port, cfg.run_dir)
     log.info("dashboard: http://%s:%d/ (token: %s/%s)", host, port, cfg.run_dir, VIEW_TOKEN)
     cluster.start()
