@@ -47,11 +47,14 @@ class DiskTier(Tier):
                 )
             else:
                 err = CheckpointCorruptError(f"step {step}: {'; '.join(problems)}; {AGAIN}")
+                # the controller verifies this copy again before it plans it (server.py)
+                rk.emit("ckpt_corrupt", step=step, tier="durable", problems=problems[:4])
             self.failure = Failure(err, problems)
             return False
         try:  # whole tensors straight into the live ones, no read buffer copied out
             read_step(state, rk.rank, rk.root, step, sums, emit=rk.emit, direct=True)
         except CheckpointCorruptError as e:
+            rk.emit("ckpt_corrupt", step=step, tier="durable", problems=[str(e)])
             self.failure = Failure(CheckpointCorruptError(f"step {step}: {e}; {AGAIN}"), [str(e)])
             return False
         except CheckpointReadError as e:
