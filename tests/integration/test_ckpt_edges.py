@@ -142,3 +142,51 @@ def test_skipped_snapshots_are_bounded_said_and_waiting_for_a_slot_is_not_a_skip
 def snapshot_step(path: Path) -> int | None:
     h = snapshot.peek_header(path)
     return None if h is None else int(h["step"])
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _flip_middle(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _data_file(step_dir: Path) -> Path:
+    return next(step_dir.rglob("*.distcp"))
+
+
+@pytest.mark.parametrize(
+    ("what", "damage"),
+    [
+        ("a truncated part", lambda d: _truncate(_data_file(d))),
+        ("a bit-flipped part", lambda d: _flip_middle(_data_file(d))),
+        ("a truncated .metadata", lambda d: _truncate(d / ".metadata")),
+        ("a bit-flipped .metadata", lambda d: _flip_middle(d / ".metadata")),
+        ("a truncated manifest", lambda d: _truncate(d / "manifest.json")),
+        ("a manifest of garbage", lambda d: (d / "manifest.json").write_bytes(os.urandom(64))),
+        ("a deleted part", lambda d: _data_file(d).unlink()),
+    ],
+)
+def test_a_damaged_newest_step_is_refused_and_the_one_before_restores(
+    tmp_path: Path, what: str, damage: object
+) -> None:
+    """Issue 30, item 3: each kind of damage to the newest durable step's files. ``verify``
+    names it, a standalone restore falls back to the step before with its exact bytes, and
+    the step before is untouched (nothing committed is lost)."""
+    root = tmp_path / "ck"
+    _save(root, range(1, 3), lambda step: {"w": torch.full((1 << 16,), float(step)), "n": step})
+    before = storage.verify(root, 1)
+    damage(storage.step_dir(root, 2))  # type: ignore[operator]
+    assert storage.verify(root, 2), what  # the damage is seen
+    state: dict[str, object] = {"w": torch.zeros(1 << 16), "n": 0}
+    ck = Checkpointer(root)
+    assert ck.load(state) == 1, what
+    assert torch.equal(state["w"], torch.full((1 << 16,), 1.0)) and state["n"] == 1  # type: ignore[arg-type]
+    ck.close()
+    assert before == [] and storage.verify(root, 1) == []
