@@ -233,6 +233,24 @@ def test_flipped_byte_in_memory_falls_back_to_the_durable_copy(
     assert _load(tmp_path, shm, (2, 0), "4") == {"step": 2, "bytes_ok": True, "pos": 20}
 
 
+def test_a_truncated_memory_snapshot_falls_back_to_the_durable_copy(
+    tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
+) -> None:
+    """The step-2 slot cut to half its size under ckptd (a /dev/shm file truncated): the
+    agreed restore of step 2 reads the durable copy, bytes exact; ckptd keeps serving."""
+    p = _worker(tmp_path, shm, "save", "--first", "1", "--last", "2", "--size-mb", "4")
+    assert p.wait(timeout=120) == 0
+    slot = next(
+        s
+        for s in snapshot.slot_paths(shm, JOB, NODE, 0)
+        if (snapshot.peek_header(s) or {}).get("step") == 2
+    )
+    with open(slot, "r+b") as f:
+        f.truncate(slot.stat().st_size // 2)
+    assert _load(tmp_path, shm, (2, 0), "4") == {"step": 2, "bytes_ok": True, "pos": 20}
+    assert ckptd.poll() is None and _status().memory.get("0") is not None
+
+
 def test_flipped_byte_on_disk_is_caught_and_the_older_step_used(
     tmp_path: Path, shm: Path, ckptd: subprocess.Popen[bytes]
 ) -> None:
