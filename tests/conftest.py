@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT / "src"))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
 )
+from trainguard.chaos import faults as chaos_faults  # noqa: E402  (this checkout's)
+from trainguard.chaos import run as chaos_run  # noqa: E402
+
 GPT = ROOT / "examples" / "gpt" / "train.py"
 # A GPT small enough for a 2-core machine: ~10-20 ms per step with 2 ranks.
 TINY = [
@@ -42,17 +45,8 @@ TINY = [
     "--dropout",
     "0.1",
 ]
-# Short timeouts so faults are seen in seconds (JobConfig fields, see docs/config.md).
-FAST_CONFIG = """
-heartbeat_s = 0.2
-node_timeout_s = 3.0
-reboot_delay_s = 1.0
-fault_stop_grace_s = 0.1
-stop_grace_s = 10.0
-recheck_s = 1.0
-preflight = "off"
-probe_every_s = 0
-"""
+# Short timeouts so faults are seen in seconds: the chaos command's own (chaos/run.py).
+FAST_CONFIG = chaos_run.FAST_CONFIG
 # (probe_every_s = 0: no in-job GEMM probe process beside each test's workers, a torch import
 # per node and generation; tests/integration/test_sdc.py turns it on where it is the subject.)
 # The same with pre-flight checks on (tests of the pre-flight itself).
@@ -175,15 +169,7 @@ def finish_job(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int
     return proc.returncode, err
 
 
-def events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line being written right now
-            out.append(json.loads(line))
-    return out
+events = chaos_faults.events  # the run's events.jsonl, a line being written skipped
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -12,19 +12,29 @@ verified."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.conftest import FAST_CONFIG, ROOT, events, run_process, trainguard_cmd, wait_for
+from tests.conftest import (
+    FAST_CONFIG,
+    ROOT,
+    drop_segments,
+    events,
+    run_process,
+    trainguard_cmd,
+    wait_for,
+)
 from trainguard.checkpoint import storage
 
 SCRIPT = ROOT / "tests" / "helpers" / "userscripts" / "crash_between_parts.py"
@@ -46,6 +56,17 @@ def _kill_all(tag: str) -> None:
         if p.pid not in mine and run_process(p, tag):
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+@pytest.fixture
+def job_teardown(tmp_path: Path) -> Iterator[None]:
+    """Whatever a test of a supervised job ends with (a failed assertion, a timeout): every
+    process of it killed and its /dev/shm slots removed (a killed job's ckptd leaves them)."""
+    yield
+    _kill_all(str(tmp_path))
+    drop_segments(
+        f"trainguard-{hashlib.sha1(str((tmp_path / 'run').resolve()).encode()).hexdigest()[:8]}-*"
+    )
 
 
 def _writer(part: Path) -> dict[str, Any]:
@@ -81,9 +102,7 @@ def _check_one_run(root: Path, dead: tuple[str, int], loaded: list[dict[str, Any
     assert not list(root.glob(".tmp-step_*")), list(root.iterdir())  # the leftover is gone
 
 
-def _standalone(
-    tmp: Path, *args: str, root: Path | None = None
-) -> list[subprocess.Popen[str]]:
+def _standalone(tmp: Path, *args: str, root: Path | None = None) -> list[subprocess.Popen[str]]:
     """Two ranks started the way a user's own launcher does: RANK/WORLD_SIZE/MASTER_* set,
     the script joins the process group itself; checkpoints in ``root`` (default tmp/ckpt)."""
     port = str(_port())
@@ -93,8 +112,9 @@ def _standalone(
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
         cmd = [sys.executable, str(SCRIPT), "--pg", "--root", str(root or tmp / "ckpt"), *args]
         procs.append(
-            subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+            subprocess.Popen(
+                cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )  # fmt: skip
         )
     return procs
 
@@ -168,6 +188,7 @@ def _load_both(tmp: Path, root: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow  # ~20 s: CI's slow run (the default suite stays under 15 min)
+@pytest.mark.usefixtures("job_teardown")
 def test_a_rerun_of_a_run_dir_killed_between_parts_commits_only_its_own(tmp_path: Path) -> None:
     args = ["--value", "1", "--steps", str(STEP), "--crash-at", str(STEP), "--crash", "hold"]
     _killed_between_parts(tmp_path, _tg_run(tmp_path, *args))
@@ -211,10 +232,13 @@ def _controller_agent(tmp: Path, **env: str) -> list[subprocess.Popen[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("job_teardown")
 def test_controller_and_agent_killed_between_parts_rerun_commits_only_its_own(
     tmp_path: Path,
 ) -> None:
-    ctl, agent = _controller_agent(tmp_path, CBP_VALUE="1", CBP_CRASH_AT=str(STEP), CBP_CRASH="hold")
+    ctl, agent = _controller_agent(
+        tmp_path, CBP_VALUE="1", CBP_CRASH_AT=str(STEP), CBP_CRASH="hold"
+    )
     try:
         _killed_between_parts(tmp_path, ctl)
     finally:

@@ -459,20 +459,19 @@ class Persister:
         if durable and not meta.get("persisted"):  # verified, its part not written yet
             self.staged(rank, slot, step, gen, True)
             return "queued"
-        if durable and rank == 0 and self._uncommitted_part(step, gen, h):
+        run = RunIdentity.from_json(h)
+        if durable and rank == 0 and self._uncommitted_part(step, gen, run):
             # Rank 0's part was written but the old ckptd died before its commit (waiting for
             # the other ranks' parts, or merging): commit it here, or the step never is.
             with self._cv:
-                run = RunIdentity.from_json(h)
                 self._commits.append((step, gen, int(h["world_size"]), run))
                 self._cv.notify_all()
             return "queued"
         return "indexed"
 
-    def _uncommitted_part(self, step: int, gen: int, h: dict[str, Any]) -> bool:
-        """Rank 0's part of (``step``, ``gen``) is complete in its temp directory and the step
-        is not committed by this or a newer copy."""
-        run = RunIdentity.from_json(h)
+    def _uncommitted_part(self, step: int, gen: int, run: RunIdentity | None) -> bool:
+        """Rank 0's part of (``step``, ``gen``) of ``run`` is complete in its temp directory and
+        the step is not committed by this or a newer copy."""
         part = storage.tmp_dir(self.root, step, gen, run.run_id if run else "") / "rank_0"
         if not (part / DONE).exists():
             return False
@@ -676,7 +675,7 @@ class Persister:
                 raise
         if rank == 0:
             with self._cv:
-                self._commits.append((step, gen, int(h["world_size"]), RunIdentity.from_json(h)))
+                self._commits.append((step, gen, int(h["world_size"]), run))
                 self._cv.notify_all()
 
     def _mapped(self, path: Path) -> snapshot.Slot:

@@ -72,8 +72,10 @@ def newer(a: RunIdentity | None, a_gen: int, b: RunIdentity | None, b_gen: int) 
     run ``b`` in ``b_gen`` (the older copy of a step gives way to the newer one). One run, or
     runs numbered in one generation sequence: by generation; otherwise by when each run
     started; a copy that records no run is older than any that does."""
+    if a is None and b is None:
+        return a_gen >= b_gen
     if a is None or b is None:
-        return a is not None if (a is None) != (b is None) else a_gen >= b_gen
+        return a is not None
     if a.run_id == b.run_id or (a.by_generation and b.by_generation):
         return a_gen >= b_gen
     return a.started >= b.started
