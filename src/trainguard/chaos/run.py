@@ -60,6 +60,10 @@ PACE_FACTOR = 16  # rank 0's steps take 16x their compute time (a sleep): minute
 STEPS_PER_MINUTE = 120
 START_S = 15.0  # no fault before the first checkpoints exist
 FAULT_GAP_S = (4.0, 10.0)  # seconds between faults
+# A job ahead of its schedule (a larger share of its steps done than of the minutes) would end
+# before the minutes do, and the faults with it: faults then come every 2-4 s (recoveries and
+# the steps they redo slow it) until it is back on schedule.
+AHEAD_GAP_S = (2.0, 4.0)
 LAUNCH_TIMEOUT_S = 30.0  # a killed launcher is reaped
 
 
@@ -178,6 +182,7 @@ class ChaosRun:
     def __init__(self, spec: ChaosSpec, log: IO[str] = sys.stderr) -> None:
         self.spec, self.out = spec, log
         self.faults: list[Fault] = []
+        self.faults_s = 0.0  # seconds from the job's start to the end of the faults
         pace = ["--inject", f"slow:rank=0:factor={PACE_FACTOR}"]
         run = ["--nodes", "2", "--standby", "1", "--hang-timeout", "3", *pace]
         spec.out_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +228,8 @@ class ChaosRun:
         return 120.0 + 0.2 * self.spec.steps  # 5 steps/s unpaced at the least, start-up
 
     def _drive(self, menu: FaultMenu) -> None:
-        """Faults every 4–10 s from START_S until ``minutes`` pass or the job ends."""
+        """Faults every 4–10 s (2–4 s while the job is ahead of schedule) from START_S until
+        ``minutes`` pass or the job ends."""
         t0 = time.monotonic()
         end = t0 + 60.0 * self.spec.minutes
         rng = menu.rng
@@ -237,7 +243,14 @@ class ChaosRun:
                 fault = Fault(t_s=round(time.monotonic() - t0, 1), kind=got[0], what=got[1])
                 self.faults.append(fault)
                 self.say(f"{fault.t_s:6.1f}s {fault.what}")
-            next_at = time.monotonic() + rng.uniform(*FAULT_GAP_S)
+            ahead = self._done_fraction() > (time.monotonic() - t0) / (end - t0)
+            next_at = time.monotonic() + rng.uniform(*(AHEAD_GAP_S if ahead else FAULT_GAP_S))
+        self.faults_s = time.monotonic() - t0
+
+    def _done_fraction(self) -> float:
+        """The job's highest step reached over its steps (0.0 before any)."""
+        steps = [s for s, _, _ in metrics(self.job.run_dir)]
+        return max(steps, default=0) / self.spec.steps
 
     # ------------------------------------------------------------------ the summary
     def summary(
@@ -282,6 +295,8 @@ class ChaosRun:
                 "total": len(self.faults),
                 "kinds": dict(sorted(kinds.items())),
                 "list": [dataclasses.asdict(f) for f in self.faults],
+                # how long faults went on: less than the minutes when the job ended first
+                "seconds": round(self.faults_s, 1),
             },
             "recoveries": recoveries,
             "reruns": reruns,

@@ -76,7 +76,9 @@ def _print_text(s: dict[str, Any]) -> None:
     kinds = ", ".join(f"{k} {n}" for k, n in f["kinds"].items())
     lines = [
         f"seed {s['seed']} (replay: --seed {s['seed']}), run dir {s['run_dir']}",
-        f"faults injected: {f['total']} of {len(f['kinds'])} kinds ({kinds})",
+        f"faults injected: {f['total']} of {len(f['kinds'])} kinds ({kinds}) over "
+        f"{f['seconds']:.0f}s of the {s['minutes'] * 60:.0f}s asked"
+        + (" (the job ended first)" if f["seconds"] < s["minutes"] * 60 - 10 else ""),
         *(f"  {x['t_s']:7.1f}s {x['kind']:<17} {x['what']}" for x in f["list"]),
         f"recoveries: {s['recoveries']} (+ {s['reruns']} re-run of the run dir)",
         f"steps lost: {s['steps_lost']} of {s['steps']}",
