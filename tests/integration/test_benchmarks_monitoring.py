@@ -112,6 +112,7 @@ def _smoke(name: str, tmp_path: Path, *, timeout: float) -> dict[str, Any]:
     return checked(name, json.loads(out))
 
 
+@pytest.mark.slow  # over 12 s: CI's slow run (the default run stays under 15 min)
 def test_the_step_overhead_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -> None:
     r = _smoke("step_overhead", tmp_path, timeout=150)
     for key in ("nodes", "steps", "block", "durable_every", "model_args",
@@ -122,6 +123,7 @@ def test_the_step_overhead_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -
     assert r["median_step_s_every_step"] > 0 and r["median_step_s_never"] > 0
 
 
+@pytest.mark.slow  # over 12 s: CI's slow run (the default run stays under 15 min)
 def test_the_sdc_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -> None:
     r = _smoke("sdc", tmp_path, timeout=240)
     assert set(r) == {"steps", "every", "at", "detection", "overhead", "signal_costs"}
@@ -142,6 +144,7 @@ def test_the_sdc_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -> None:
                                       "grad_norm_ms", "step_ms", "grad_norm_share"}  # fmt: skip
 
 
+@pytest.mark.slow  # over 12 s: CI's slow run (the default run stays under 15 min)
 def test_the_straggler_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -> None:
     r = _smoke("straggler", tmp_path, timeout=240)
     for key in ("nodes", "nproc_per_node", "world", "window_steps", "steps", "slow_from",
@@ -179,6 +182,7 @@ def test_the_controller_scale_benchmark_smoke_run_prints_its_keys(tmp_path: Path
     os.geteuid() != 0 or shutil.which("ip") is None,
     reason="node_recovery needs root and iproute2's ip (network namespaces)",
 )
+@pytest.mark.slow  # over 12 s: CI's slow run (the default run stays under 15 min)
 def test_the_node_recovery_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -> None:
     r = _smoke("node_recovery", tmp_path, timeout=300)
     for key in ("steps", "kill_step", "durable_every", "model_args", "replica", "durable"):

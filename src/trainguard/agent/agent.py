@@ -247,6 +247,7 @@ class Agent:
             self.checks.stop()
             self._stop_workers(grace_s=15.0)
             self.launcher.close()
+            self.prefetch.close(remove=True)  # a standby's copy is memory too: freed, not left
             self.ckptd.stopping = True  # its status thread must not kill it mid-final-persist
             with contextlib.suppress(Exception):
                 self.refresh_ckptd()  # what it queued (the final step's durable event)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -210,4 +211,7 @@ class CkptdSupervisor:
             self.proc.wait(timeout=5.0)
         if self.ckpt is not None:
             for path in self._slots(self.ckpt.shm_dir):
-                path.unlink(missing_ok=True)
+                if path.is_dir():  # a prefetched step (unlink raised IsADirectoryError)
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)

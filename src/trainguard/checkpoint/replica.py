@@ -194,7 +194,11 @@ class ReplicaServer:
         final = replica_path(self.shm_dir, self.job, self.node, rank)
         tmp = final.with_name(final.name + ".tmp")
         with self._lock:  # one push per rank at a time is plenty; keeps the file logic simple
-            _recv_into_file(conn, tmp, int(req["nbytes"]))
+            try:
+                _recv_into_file(conn, tmp, int(req["nbytes"]))
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # torn (the sender died or stalled): free its memory
+                raise
             problem = store_verified(tmp, final, rank, step, gen, req["sums"])
         if problem:
             return {"error": problem}
@@ -256,7 +260,11 @@ def pull(addr: str, token: str, dest: Path, rank: int, step: int, gen: int) -> N
         reply = _recv_line(sock)
         if "error" in reply:
             raise CheckpointError(f"replica peer {addr}: {reply['error']}")
-        _recv_into_file(sock, tmp, int(reply["nbytes"]))
+        try:
+            _recv_into_file(sock, tmp, int(reply["nbytes"]))
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # torn (the server died or stalled): free its memory
+            raise
     problem = store_verified(tmp, dest, rank, step, gen, reply["sums"])
     if problem:
         raise CheckpointError(f"replica from {addr}: {problem}")

@@ -121,6 +121,7 @@ def identify() -> RunIdentity:
     if not seen:
         log.warning(
             "ranks of this job cannot tell its run from an earlier one (no process group, no "
-            "launcher variables): set %s to a fresh value for every run", ENV_RUN_ID
+            "launcher variables): set %s to a fresh value for every run",
+            ENV_RUN_ID,
         )
     return RunIdentity(hashlib.sha1("\n".join(seen).encode()).hexdigest()[:12])

@@ -529,7 +529,10 @@ def create_slot(path: Path, nbytes: int) -> None:
     st = os.statvfs(path.parent)
     free = st.f_bavail * st.f_frsize
     have = path.stat().st_size if path.exists() else 0
-    if nbytes - have > free:
+    # Its pages, not its size: an allocation cut short (ckptd SIGKILLed inside fallocate; tmpfs
+    # frees what it had allocated) leaves the file at full size with no pages behind it.
+    held = path.stat().st_blocks * 512 if path.exists() else 0
+    if nbytes - held > free:
         raise CheckpointError(
             f"{path.parent} has {free / 2**20:.0f} MiB free but a snapshot slot needs {nbytes / 2**20:.0f} MiB; "
             "enlarge it (mount -o remount,size=… /dev/shm) or set memory_tier = false for durable-only checkpoints"
@@ -538,6 +541,7 @@ def create_slot(path: Path, nbytes: int) -> None:
     try:
         if have < nbytes:
             os.ftruncate(fd, nbytes)
+        if held < nbytes:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:

@@ -268,7 +268,16 @@ def prune(
         held = _sdc_hold(root, steps)
         doomed = [st for st in doomed if st != held]
     for step in doomed:
-        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+        # Out of the listing in one rename, then deleted: a kill mid-delete leaves a temp
+        # directory that the next prune (or a re-run's ``clean_leftovers``) removes, never a
+        # half-removed ``step_N`` that nothing lists and so nothing ever deletes.
+        aside = root / f".tmp-step_{step}-gen{committed_generation(root, step)}-pruned"
+        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.rename(step_dir(root, step), aside)
+        except OSError:
+            aside = step_dir(root, step)
+        shutil.rmtree(aside, ignore_errors=True)
     for path in root.glob(".tmp-step_*"):
         m = TMP_RE.match(path.name)
         if m is None:

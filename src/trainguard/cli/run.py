@@ -367,7 +367,9 @@ def write_atomic(path: Path, text: str) -> None:
 def controller_info(run_dir: Path, host: str, port: int) -> None:
     """``RUN_DIR/controller.json``: where this controller listens, and its pid (``trainguard
     status``, agents, a restarted controller's port), written atomically."""
-    write_atomic(run_dir / "controller.json", json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()}))
+    write_atomic(
+        run_dir / "controller.json", json.dumps({"addr": f"{host}:{port}", "pid": os.getpid()})
+    )
 
 
 def read_or_create_token(path: Path) -> str:

@@ -12,7 +12,9 @@ with a one-line error (ValueError) before anything in it is changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,16 @@ def check_format(db: sqlite3.Connection, path: Path) -> int:
     return found
 
 
+def end_torn_line(path: Path) -> None:
+    """End the last line of ``path`` when a writer killed mid-line left it torn: the next
+    event starts a line of its own instead of being glued to the fragment (both were lost)."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
 class Store:
     """Owns the job's SQLite file and JSONL event log. Not thread-safe: one writer thread."""
 
@@ -63,6 +75,7 @@ class Store:
         if "sections" not in cols:  # a store written before section timing existed
             self.db.execute("ALTER TABLE steps ADD COLUMN sections TEXT")
         self.db.execute(f"PRAGMA user_version = {FORMAT}")
+        end_torn_line(run_dir / "events.jsonl")
         self._jsonl = open(run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
 
     def record(self, kind: str, data: dict[str, Any], *, ts: float | None = None) -> dict[str, Any]:
