@@ -64,7 +64,8 @@ def run_process(p: psutil.Process, tag: str) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_leaks(tmp_path: Path) -> Iterator[None]:
-    """Fail a test that leaves a process, zombie or /dev/shm segment of its own behind."""
+    """Fail a test that leaves a process, zombie, /dev/shm segment or mount (under its tmp
+    dir) of its own behind."""
     tag = str(tmp_path)
     me = psutil.Process()
     mine = {me.pid, *(p.pid for p in me.parents())}
@@ -96,7 +97,19 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
         f"processes left behind: {[(p.pid, _cmd(p)) for p in leaked if p.is_running()]}"
     )
     assert not zombies, f"zombies left behind: {zombies}"
+    mounts = _mounts_under(tmp_path)
+    for m in reversed(mounts):  # unmounted, so one leak does not fail the next test too
+        subprocess.run(["umount", "-l", m], check=False)
     assert not new_shm, f"/dev/shm segments left behind: {new_shm}"
+    assert not mounts, f"mounts left behind: {mounts}"
+
+
+def _mounts_under(d: Path) -> list[str]:
+    """Mount points at or below ``d``, in /proc/self/mounts order (octal escapes kept)."""
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1] for line in f]
+    top = str(d.resolve())
+    return [p for p in points if p == top or p.startswith(top + "/")]
 
 
 def drop_segments(pattern: str) -> None:
@@ -235,3 +248,23 @@ def agent_pid(run_dir: Path, node_id: str) -> int:
         return None
 
     return int(wait_for(find, 30, f"agent {node_id}"))
+
+
+@contextlib.contextmanager
+def private_tmpfs(d: Path, size: str = "400m") -> Iterator[Path]:
+    """A tmpfs of its own mounted at ``d`` (made here; root): a memory tier a test can size
+    and fill without touching /dev/shm or another test's slots. Unmounted (lazily) on the way
+    out, whatever the test left in it."""
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    """A private 400 MiB tmpfs for a ckptd's slots (``private_tmpfs``)."""
+    with private_tmpfs(tmp_path / "shm") as d:
+        yield d

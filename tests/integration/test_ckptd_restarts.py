@@ -226,16 +226,6 @@ def _untrace(tracer: subprocess.Popen[bytes]) -> None:
     tracer.wait(timeout=30)
 
 
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    """A private tmpfs for the slots (so the test can size it and never touches others')."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(d)], check=True)
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 class _Agent:
     """A real ``CkptdSupervisor`` in the test process, playing its agent's part: the events
     it records, and ``idle`` (called while a new ckptd starts) for a test to act in."""

@@ -88,16 +88,6 @@ def _status() -> StatusReply:
 
 
 @pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    """A private tmpfs for the slots (so the test can size it and never touches others')."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(d)], check=True)
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
-@pytest.fixture
 def ckptd(tmp_path: Path, shm: Path) -> Iterator[subprocess.Popen[bytes]]:
     d = _start_ckptd(tmp_path, shm)
     yield d

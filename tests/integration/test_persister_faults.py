@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import private_tmpfs, wait_for
 from tests.integration.test_hyckpt import (  # the standalone-daemon style's helpers
     JOB,
     NODE,
@@ -172,16 +172,6 @@ class Daemons:
         if d.poll() is None:
             d.kill()
             d.wait()
-
-
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    """A private tmpfs for the slots (test_hyckpt.py's)."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(d)], check=True)
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 @pytest.fixture
@@ -478,9 +468,11 @@ def test_a_memory_tier_that_fills_mid_run_keeps_training_and_durable_steps(
     up on it: never durable, its slot pinned), ckptd says what is wrong and the fix once a slot
     (``ckpt_memory_full``), nothing committed is lost; once the file is removed, memory
     snapshots are indexed again and every committed step restores its bytes."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(shm)], check=True)
+    with private_tmpfs(tmp_path / "shm", "24m") as shm:  # unmounted whatever happens
+        _fill_mid_run(tmp_path, shm, sink)
+
+
+def _fill_mid_run(tmp_path: Path, shm: Path, sink: AgentSink) -> None:
     root = tmp_path / "checkpoints"
     daemons: Daemons | None = None
     rank: Rank | None = None
@@ -524,9 +516,6 @@ def test_a_memory_tier_that_fills_mid_run_keeps_training_and_durable_steps(
             rank.kill()
         if daemons is not None:
             daemons.close()
-    try:
-        assert _committed_ok(root) == [6, 8]
-        assert _load(tmp_path, shm, (8, 0), "4") == {"step": 8, "bytes_ok": True, "pos": 80}
-        assert _durable_load(tmp_path, shm, 6, "4") == {"step": 6, "bytes_ok": True, "pos": 60}
-    finally:
-        subprocess.run(["umount", "-l", str(shm)], check=False)
+    assert _committed_ok(root) == [6, 8]
+    assert _load(tmp_path, shm, (8, 0), "4") == {"step": 8, "bytes_ok": True, "pos": 80}
+    assert _durable_load(tmp_path, shm, 6, "4") == {"step": 6, "bytes_ok": True, "pos": 60}

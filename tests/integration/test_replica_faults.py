@@ -28,7 +28,7 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, private_tmpfs, wait_for
 from trainguard.checkpoint import replica, snapshot
 from trainguard.checkpoint.api import CheckpointError
 from trainguard.checkpoint.ckptd import CkptdClient, socket_name, spawn
@@ -145,13 +145,10 @@ class Helper:
 @pytest.fixture
 def shm(tmp_path: Path) -> Iterator[Path]:
     """A private tmpfs: the pusher's slots in ``src/``, each ckptd's memory in ``<node>/``."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", str(d)], check=True)
-    for sub in ("src", "a", "b", "check"):
-        (d / sub).mkdir()
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
+    with private_tmpfs(tmp_path / "shm", "2g") as d:
+        for sub in ("src", "a", "b", "check"):
+            (d / sub).mkdir()
+        yield d
 
 
 @pytest.fixture
