@@ -372,6 +372,7 @@ def test_a_stopped_job_resumes_from_the_cold_tier_on_an_empty_disk_with_the_same
     assert 0 < arc["sent_bytes"] <= arc["step_bytes"] + 1024, arc
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_ckpt_ls_verify_and_export_cover_the_archive_tier(aws: str, tmp_path: Path) -> None:
     """``trainguard ckpt`` on a run with a cold tier: ``ls`` lists the archive's steps,
     ``export`` writes a step only the archive holds, ``verify`` reads the archive back and

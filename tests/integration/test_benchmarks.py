@@ -28,6 +28,7 @@ def test_the_recovery_benchmark_smoke_run_prints_its_keys() -> None:
     assert w["from_main_run"] is True and w["trainguard_s"] == r["trainguard_s"]
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_the_local_recovery_benchmark_smoke_run_prints_its_keys() -> None:
     r = smoke("local_recovery", timeout=90)["groups"]["2"]
     for key in ("survivor_max_gap_s", "heal_s", "steps_at_reduced_width",
@@ -38,6 +39,7 @@ def test_the_local_recovery_benchmark_smoke_run_prints_its_keys() -> None:
     assert "skipped" in ft or set(ft) >= {"survivor_max_gap_s", "heal_s", "state_equal_after_heal"}
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_the_preflight_benchmark_smoke_run_prints_its_keys() -> None:
     r = smoke("preflight", timeout=75)
     for key in ("total_s", "wall_s", "median_total_s", "stage_s", "target_s", "within_target",

@@ -28,6 +28,7 @@ def test_the_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
     assert len(r["durable_over_seq_write_rounds"]) == 2
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_the_fsdp_checkpoint_benchmark_smoke_run_prints_its_keys() -> None:
     r = smoke("checkpoint_sharded", timeout=300)
     ratios = r["fsdp"]["ratios"]

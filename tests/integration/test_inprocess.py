@@ -198,6 +198,7 @@ def test_a_survivor_stuck_where_no_abort_reaches_is_restarted_the_old_way(
     assert losses(run) == user_reference
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_a_fault_before_any_checkpoint_restarts_a_model_made_outside_main(tmp_path: Path) -> None:
     """The model and optimizer are made at module level (kept across in-process recoveries);
     rank 1 dies at step 1, before any checkpoint: nothing would restore the survivor's trained

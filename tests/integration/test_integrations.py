@@ -49,6 +49,7 @@ def _compare(tmp_path: Path, script: str, kill_step: int) -> None:
     assert sorted(got) == sorted(want) and got == want, [s for s in want if got.get(s) != want[s]]
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_a_hugging_face_trainer_resumes_exactly_after_a_kill(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")

@@ -55,6 +55,7 @@ def _suspect_restores(evs: list[dict], detected: dict) -> list[tuple[int, int]]:
     ]
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_a_flipped_bit_in_one_of_four_replicas_is_named_rolled_back_and_loses_nothing(
     tmp_path: Path, reference4: dict[int, float]
 ) -> None:
@@ -203,6 +204,7 @@ PACE = ["--inject", "slow:rank=0:factor=5"]
 KEEP3 = FAST_CONFIG + "keep_checkpoints = 3\n"
 
 
+@pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_a_flipped_gradient_bit_before_the_all_reduce_is_caught_by_the_gradient_norm(
     tmp_path: Path, reference2: dict[int, float]
 ) -> None:

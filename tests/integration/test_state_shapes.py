@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.test_hyckpt import JOB, NODE, _env, ckptd, shm  # noqa: F401 - fixtures
+from tests.integration.test_hyckpt import JOB, NODE, _env, ckptd  # noqa: F401 - a fixture
 from trainguard.checkpoint import replica, snapshot
 
 WORKER = ROOT / "tests" / "helpers" / "shapes_worker.py"
