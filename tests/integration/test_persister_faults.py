@@ -459,12 +459,6 @@ def test_ckptd_killed_mid_prune_leaves_no_half_removed_step_offered(
     assert _durable_load(tmp_path, shm, 3, "4") == {"step": 3, "bytes_ok": True, "pos": 30}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a .sum a full memory tier cannot take drops the durable step; the first "
-    "fix (Persister._write_sums) broke benchmarks/checkpoint.py --smoke's load_memory and was "
-    "taken back",
-)
 def test_a_memory_tier_that_fills_mid_run_keeps_training_and_durable_steps(
     tmp_path: Path, sink: AgentSink
 ) -> None:

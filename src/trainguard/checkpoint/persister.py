@@ -362,6 +362,9 @@ class Persister:
         # Read-only mappings of slots, kept across saves: mapping a slot anew sets up its page
         # tables every time (as long as copying it). Used by the persister thread only.
         self._maps: dict[str, tuple[tuple[int, int], snapshot.Slot]] = {}
+        # slot → (step, gen, sums) whose ``.sum`` could not be written (the memory tier's
+        # directory full): written again before each next item (persister thread only)
+        self._unwritten: dict[Path, tuple[int, int, Any, bool]] = {}
         self._threads = [
             threading.Thread(target=self._run, name="trainguard-persister", daemon=True),
             threading.Thread(target=self._commit_loop, name="trainguard-committer", daemon=True),
@@ -582,10 +585,21 @@ class Persister:
                         self._unmap(Path(path))
                     return
                 rank = min(r for r, q in self._pending.items() if q)
+                retry = list(self._unwritten.items())
                 slot, step, gen, durable = self._pending[rank].pop(0)
                 self._busy += 1
                 self._current = (str(slot), step, gen)
                 self._verifying = True
+            for path, (s_step, s_gen, s_sums, s_done) in retry:  # space may be free again
+                h = snapshot.peek_header(path)
+                if (
+                    h is None
+                    or (h["step"], h["generation"]) != (s_step, s_gen)
+                    or snapshot.forgotten(path, s_step, s_gen)
+                ):  # overwritten since, or found corrupt: that record must not come back
+                    self._unwritten.pop(path, None)
+                    continue
+                self._write_sums(path, s_step, s_gen, s_sums, persisted=s_done)
             try:
                 self._persist_one(rank, slot, step, gen, durable)
             except (
@@ -618,13 +632,13 @@ class Persister:
                 if h is None or (h["step"], h["generation"]) != (step, gen):
                     return
                 sums = slot.checksums(h)
-                snapshot.write_sums(slot_path, step, gen, sums, persisted=not durable)
                 fp = self._remember(rank, step, gen, h, sums)
-                with self._cv:
-                    self._verified.setdefault(rank, {})[str(slot_path)] = (step, gen)
-                self.emit("ckpt_staged", rank=rank, step=step, snapshot_generation=gen)
-                if self.on_verified is not None:
-                    self.on_verified(rank, slot_path, step, gen, sums)
+                if self._write_sums(slot_path, step, gen, sums, persisted=not durable):
+                    with self._cv:
+                        self._verified.setdefault(rank, {})[str(slot_path)] = (step, gen)
+                    self.emit("ckpt_staged", rank=rank, step=step, snapshot_generation=gen)
+                    if self.on_verified is not None:
+                        self.on_verified(rank, slot_path, step, gen, sums)
                 with self._cv:  # indexed (and replicated): what follows is the durable part
                     self._verifying = False
                 if not durable:
@@ -671,9 +685,7 @@ class Persister:
                     )
                     return
                 finally:
-                    snapshot.write_sums(
-                        slot_path, step, gen, sums, persisted=True
-                    )  # the slot may be reused
+                    self._write_sums(slot_path, step, gen, sums, persisted=True)  # may be reused
                     del tensors
                 self.emit("ckpt_part_durable", rank=rank, step=step, duration_s=time.time() - t0)
             except BaseException:
@@ -683,6 +695,26 @@ class Persister:
             with self._cv:
                 self._commits.append((step, gen, int(h["world_size"]), run))
                 self._cv.notify_all()
+
+    def _write_sums(self, slot: Path, step: int, gen: int, sums: Any, *, persisted: bool) -> bool:
+        """``snapshot.write_sums``; False when the memory tier's directory has no room for it
+        (said once a slot, with the fix): the snapshot stays out of the memory index, its
+        durable part is still written, and the record is written again once there is room
+        (the writer reuses the slot only then)."""
+        try:
+            snapshot.write_sums(slot, step, gen, sums, persisted=persisted)
+        except OSError as e:
+            if slot not in self._unwritten:
+                reason = (f"{slot.parent} is full ({e.strerror}): step {step} is not in the "
+                          "memory tier (a durable step still goes to disk); memory snapshots "
+                          "resume once there is room: free space there or enlarge it "
+                          f"(mount -o remount,size=… {slot.parent})")  # fmt: skip
+                log.warning("%s", reason)
+                self.emit("ckpt_memory_full", step=step, slot=slot.name, reason=reason)
+            self._unwritten[slot] = (step, gen, sums, persisted)
+            return False
+        self._unwritten.pop(slot, None)
+        return True
 
     def _mapped(self, path: Path) -> snapshot.Slot:
         """The cached read-only mapping of ``path``, remapped if the file was replaced or grew."""
