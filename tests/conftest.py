@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -159,15 +160,62 @@ def start_job(
     )
 
 
+REFERENCE_LOCK_S = 900.0  # the longest reference run a test waits for (another worker's)
+
+
 def fault_free_losses(
     tmp_path_factory: pytest.TempPathFactory, run_args: list[str], script_args: list[str]
 ) -> dict[int, float]:
     """Run the example once without faults and return its per-step losses (the reference a
-    faulty run must match, step for step)."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    res = run_job(run_dir, run_args, script_args, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run_dir)
+    faulty run must match, step for step).
+
+    One run serves the whole test session, both xdist workers and every module: the losses
+    of a step do not depend on how many steps follow it (constant learning rate, data and
+    dropout drawn per step; checked by ``test_reference_losses_are_a_prefix_of_a_longer_run``),
+    so a reference of N steps is the first N losses of any run with the same ``run_args`` and
+    other script flags. Runs are cached under the session's base temp dir (never across
+    sessions: the code may have changed), one writer at a time per key (a flock; waits at most
+    REFERENCE_LOCK_S, then TimeoutError)."""
+    steps, rest = _without_steps(script_args)
+    key = hashlib.sha1(json.dumps([run_args, rest]).encode()).hexdigest()[:16]
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = shared / "reference-losses" / key
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "lock", "w") as lock:
+        deadline = time.monotonic() + REFERENCE_LOCK_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"reference {cache} locked past {REFERENCE_LOCK_S}s"
+                    ) from None
+                time.sleep(0.2)
+        for f in cache.glob("losses-*.json"):
+            have = {int(k): v for k, v in json.loads(f.read_text()).items()}
+            if steps is not None and len(have) >= steps:
+                return {k: v for k, v in have.items() if k <= steps}
+            if steps is None and f.name == "losses-all.json":
+                return have
+        run_dir = tmp_path_factory.mktemp("reference") / "run"
+        res = run_job(run_dir, run_args, script_args, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = losses(run_dir)
+        tmp = cache / "losses.tmp"
+        tmp.write_text(json.dumps(got))
+        tmp.replace(cache / f"losses-{steps if steps is not None else 'all'}.json")
+        return got
+
+
+def _without_steps(script_args: list[str]) -> tuple[int | None, list[str]]:
+    """(the value of ``--steps``, the other arguments)."""
+    if "--steps" not in script_args:
+        return None, list(script_args)
+    i = script_args.index("--steps")
+    return int(script_args[i + 1]), [*script_args[:i], *script_args[i + 2 :]]
 
 
 def finish_job(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, str]:
@@ -261,6 +309,49 @@ def private_tmpfs(d: Path, size: str = "400m") -> Iterator[Path]:
         yield d
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+@contextlib.contextmanager
+def throttled_disk(tmp_path: Path, mnt: Path, size_mb: int, write_bps: int) -> Iterator[Path]:
+    """A real slow disk mounted at ``mnt`` (made here): ext4 on a loop device (a ``size_mb``
+    MiB image in ``tmp_path``) whose writes are throttled to ``write_bps`` bytes/s for the
+    processes of a blkio cgroup (v1; the writeback of an fsync is charged to the writer).
+    Yields the cgroup's directory: write a pid to its ``cgroup.procs`` and that process's
+    writes there are slow. Skips without root, losetup, mkfs.ext4 or the blkio controller.
+    Everything is undone on the way out (processes left in the cgroup go back to the root)."""
+    tools = [shutil.which(t) for t in ("losetup", "mkfs.ext4", "mount", "umount")]
+    if os.geteuid() != 0 or None in tools or not (BLKIO / "cgroup.procs").exists():
+        pytest.skip("needs root, losetup, mkfs.ext4 and the cgroup v1 blkio controller")
+    image = tmp_path / f"{mnt.name}.img"
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    loop = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tag = hashlib.sha1(str(mnt).encode()).hexdigest()[:8]
+    cg = BLKIO / f"trainguard-test-{os.getpid()}-{tag}"
+    try:
+        subprocess.run(["mkfs.ext4", "-q", loop], check=True, timeout=60)
+        mnt.mkdir()
+        subprocess.run(["mount", loop, str(mnt)], check=True, timeout=60)
+        cg.mkdir()
+        dev = os.stat(loop).st_rdev
+        (cg / "blkio.throttle.write_bps_device").write_text(
+            f"{os.major(dev)}:{os.minor(dev)} {write_bps}\n"
+        )
+        yield cg
+    finally:
+        if cg.exists():
+            with contextlib.suppress(OSError):  # anything left in it goes back to the root
+                for pid in (cg / "cgroup.procs").read_text().split():
+                    (BLKIO / "cgroup.procs").write_text(pid)
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=60)
+        subprocess.run(["losetup", "-d", loop], capture_output=True, timeout=60)
 
 
 @pytest.fixture

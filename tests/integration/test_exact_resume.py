@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import TINY, events, losses, report, run_job
+import pytest
+
+from tests.conftest import TINY, events, fault_free_losses, losses, report, run_job
 from trainguard.controller.api import RECOVERY_PHASES
 
 STEPS = 40
@@ -41,3 +43,22 @@ def test_kill_mid_run_gives_the_same_losses_as_no_fault(tmp_path: Path) -> None:
         assert phases[name] is not None and phases[name] >= 0, phases
     assert phases["total"] < 60
     assert 0 < rep["goodput"] < 1
+
+
+def test_reference_losses_are_a_prefix_of_a_longer_run(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The premise of ``fault_free_losses``' one-run-per-session cache: a fault-free run of 15
+    steps has exactly the first 15 losses of a run of 25 with the same flags (otherwise a
+    cached longer reference would be wrong for a shorter test; the GPT example's learning rate
+    does not depend on ``--steps``)."""
+    args = [*TINY, "--ckpt-every", "3", "--durable-every", "7"]
+    longer = fault_free_losses(tmp_path_factory, ["--nodes", "2"], [*args, "--steps", "25"])
+    assert sorted(longer) == list(range(1, 26))
+    res = run_job(tmp_path / "short", ["--nodes", "2"], [*args, "--steps", "15"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    short = losses(tmp_path / "short")
+    assert sorted(short) == list(range(1, 16))
+    assert short == {k: v for k, v in longer.items() if k <= 15}  # exact floats
+    again = fault_free_losses(tmp_path_factory, ["--nodes", "2"], [*args, "--steps", "15"])
+    assert again == short  # served from the cached 25-step run

@@ -24,11 +24,11 @@ from tests.conftest import (
     ROOT,
     TINY,
     events,
+    fault_free_losses,
     finish_job,
     losses,
     reached_step,
     report,
-    run_job,
     start_job,
     trainguard_cmd,
     wait_for,
@@ -43,10 +43,7 @@ CONFIG = FAST_CONFIG + "hang_timeout_min_s = 2.0\ninprocess_abort_s = 3.0\nmax_r
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    res = run_job(run_dir, ["--nodes", "2"], ARGS, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run_dir)
+    return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
 
 
 def _started(run_dir: Path, generation: int) -> dict[int, int]:

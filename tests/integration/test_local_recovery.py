@@ -21,6 +21,7 @@ from tests.conftest import (
     ROOT,
     TINY,
     events,
+    fault_free_losses,
     finish_job,
     losses,
     reached_step,
@@ -71,10 +72,7 @@ def _kill_rank(run: Path, rank: int, after_step: int) -> int:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """train.py (plain DDP, no replica groups) over 2 ranks: the same global batch."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    res = run_job(run, ["--nodes", "2"], ARGS, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return losses(run)
+    return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
 
 
 @pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)

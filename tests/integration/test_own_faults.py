@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -35,6 +34,7 @@ from tests.conftest import (
     run_job,
     run_process,
     start_job,
+    throttled_disk,
     trainguard_cmd,
     wait_for,
 )
@@ -311,39 +311,12 @@ def _check_rerun(run: Path, reference: dict[int, float]) -> None:
     assert rep["generations"] == len(new)
 
 
-BLKIO = Path("/sys/fs/cgroup/blkio")
-
-
 @pytest.fixture
 def slow_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A real slow disk: an ext4 file system on a loop device whose writes are throttled to
-    64 KiB/s for the processes of a blkio cgroup (v1). Yields (mount point, cgroup dir)."""
-    tools = [shutil.which(t) for t in ("losetup", "mkfs.ext4", "mount", "umount")]
-    if os.geteuid() != 0 or None in tools or not (BLKIO / "cgroup.procs").exists():
-        pytest.skip("needs root, losetup, mkfs.ext4 and the cgroup v1 blkio controller")
-    image, mnt = tmp_path / "disk.img", tmp_path / "disk"
-    with open(image, "wb") as f:
-        f.truncate(128 << 20)
-    loop = subprocess.run(
-        ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    cg = BLKIO / f"trainguard-test-{os.getpid()}-{_job(tmp_path)}"
-    try:
-        subprocess.run(["mkfs.ext4", "-q", loop], check=True, timeout=60)
-        mnt.mkdir()
-        subprocess.run(["mount", loop, str(mnt)], check=True, timeout=60)
-        cg.mkdir()
-        dev = os.stat(loop).st_rdev
-        (cg / "blkio.throttle.write_bps_device").write_text(
-            f"{os.major(dev)}:{os.minor(dev)} {64 << 10}\n"
-        )
-        yield mnt, cg
-    finally:
-        if cg.exists():
-            with contextlib.suppress(OSError):
-                cg.rmdir()
-        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
-        subprocess.run(["losetup", "-d", loop], capture_output=True, timeout=60)
+    """A real slow disk (``throttled_disk``: writes at 64 KiB/s for the processes of its
+    cgroup). Yields (mount point, cgroup dir)."""
+    with throttled_disk(tmp_path, tmp_path / "disk", 128, 64 << 10) as cg:
+        yield tmp_path / "disk", cg
 
 
 @pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)

@@ -7,7 +7,6 @@ step) and nothing committed lost (docs/self-faults.md §9, "Persister")."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import private_tmpfs, wait_for
+from tests.conftest import private_tmpfs, throttled_disk, wait_for
 from tests.integration.test_hyckpt import (  # the standalone-daemon style's helpers
     JOB,
     NODE,
@@ -40,7 +39,6 @@ from trainguard.protocol.worker import Alive, Batch, WorkerEvent
 from trainguard.runtime.wire import decode_message
 
 TOKEN = "00" * 16
-BLKIO = Path("/sys/fs/cgroup/blkio")
 SLOW_BPS = 2 << 20  # the slow disk's writes: a 4 MiB part takes ~2 s to reach it
 
 
@@ -183,40 +181,11 @@ def sink() -> Iterator[AgentSink]:
 
 @pytest.fixture
 def slow_disk(tmp_path: Path) -> Iterator[Path]:
-    """``tmp_path/checkpoints`` on a real slow disk: ext4 on a loop device whose writes are
-    throttled to SLOW_BPS for the processes of a blkio cgroup (v1; the writeback of a part's
-    fsync is charged to the writer). Yields the cgroup's ``cgroup.procs``: write a ckptd's pid
-    there and its durable parts take seconds to write."""
-    tools = [shutil.which(t) for t in ("losetup", "mkfs.ext4", "mount", "umount")]
-    if os.geteuid() != 0 or None in tools or not (BLKIO / "cgroup.procs").exists():
-        pytest.skip("needs root, losetup, mkfs.ext4 and the cgroup v1 blkio controller")
-    image, mnt = tmp_path / "disk.img", tmp_path / "checkpoints"
-    with open(image, "wb") as f:
-        f.truncate(160 << 20)
-    loop = subprocess.run(
-        ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    tag = hashlib.sha1(str(tmp_path).encode()).hexdigest()[:8]
-    cg = BLKIO / f"trainguard-test-{os.getpid()}-{tag}"
-    try:
-        subprocess.run(["mkfs.ext4", "-q", loop], check=True, timeout=60)
-        mnt.mkdir()
-        subprocess.run(["mount", loop, str(mnt)], check=True, timeout=60)
-        cg.mkdir()
-        dev = os.stat(loop).st_rdev
-        (cg / "blkio.throttle.write_bps_device").write_text(
-            f"{os.major(dev)}:{os.minor(dev)} {SLOW_BPS}\n"
-        )
+    """``tmp_path/checkpoints`` on a real slow disk (``throttled_disk``, writes at SLOW_BPS).
+    Yields the cgroup's ``cgroup.procs``: write a ckptd's pid there and its durable parts
+    take seconds to write."""
+    with throttled_disk(tmp_path, tmp_path / "checkpoints", 160, SLOW_BPS) as cg:
         yield cg / "cgroup.procs"
-    finally:
-        if cg.exists():
-            with contextlib.suppress(OSError):  # anything left in it goes back to the root
-                for pid in (cg / "cgroup.procs").read_text().split():
-                    (BLKIO / "cgroup.procs").write_text(pid)
-            with contextlib.suppress(OSError):
-                cg.rmdir()
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=60)
-        subprocess.run(["losetup", "-d", loop], capture_output=True, timeout=60)
 
 
 def _flocks(pid: int) -> set[int]:

@@ -1,5 +1,6 @@
-"""A chaos run: the GPT example under random faults for minutes, then the same job without
-faults, and the comparison (``trainguard chaos``).
+"""A chaos run: the GPT example under random faults for minutes, the same job without faults
+beside it (niced, so it takes only the CPU the paced job leaves idle), and the comparison
+(``trainguard chaos``).
 
 ``ChaosSpec`` is what to run, ``ChaosRun`` runs it (``ChaosRun(spec).run()`` returns the
 summary dict that ``trainguard chaos --json`` prints). Layout of ``spec.out_dir``:
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import random
 import subprocess
 import sys
@@ -65,6 +67,7 @@ FAULT_GAP_S = (4.0, 10.0)  # seconds between faults
 # the steps they redo slow it) until it is back on schedule.
 AHEAD_GAP_S = (2.0, 4.0)
 LAUNCH_TIMEOUT_S = 30.0  # a killed launcher is reaped
+REFERENCE_NICE = 10  # the fault-free run's niceness: it yields the CPU to the job under faults
 
 
 def redo_bound(keep_checkpoints: int = KEEP_CHECKPOINTS, durable_every: int = DURABLE_EVERY) -> int:
@@ -117,8 +120,11 @@ class Job:
     """One ``trainguard run`` of the example as a subprocess in its own session (a Ctrl-C at
     the terminal reaches the chaos command, which kills it), its console in ``<name>.log``."""
 
-    def __init__(self, spec: ChaosSpec, name: str, run_args: list[str], config: str) -> None:
+    def __init__(
+        self, spec: ChaosSpec, name: str, run_args: list[str], config: str, *, nice: int = 0
+    ) -> None:
         self.run_dir = spec.out_dir / name
+        self.nice = nice  # added to the launcher's niceness (inherited by all it starts)
         self.config = spec.out_dir / f"{name}.toml"
         self.config.write_text(config)
         self.log_path = spec.out_dir / f"{name}.log"
@@ -128,17 +134,26 @@ class Job:
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self.started_at = self.ended_at = 0.0  # time.monotonic(); ended_at: first seen ended
 
     def start(self) -> None:
         if self._log is None:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in close())
+        nice = self.nice
+        self.started_at, self.ended_at = time.monotonic(), 0.0
         self.proc = subprocess.Popen(
             self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )  # fmt: skip
 
     def launcher_pid(self) -> int | None:
         return None if self.proc is None or self.proc.poll() is not None else self.proc.pid
+
+    def seconds(self) -> float:
+        """From its start to when its end was first seen (now while it runs)."""
+        if not self.ended_at and self.proc is not None and self.proc.poll() is not None:
+            self.ended_at = time.monotonic()
+        return (self.ended_at or time.monotonic()) - self.started_at
 
     def rerun(self) -> None:
         if self.proc is not None:  # killed: reap it
@@ -176,8 +191,8 @@ class Job:
 
 
 class ChaosRun:
-    """Runs a ChaosSpec: the job under faults, then the fault-free reference; ``run()`` returns
-    the summary. Progress lines go to ``log`` (stderr)."""
+    """Runs a ChaosSpec: the job under faults and, beside it (niced), the fault-free reference;
+    ``run()`` returns the summary. Progress lines go to ``log`` (stderr)."""
 
     def __init__(self, spec: ChaosSpec, log: IO[str] = sys.stderr) -> None:
         self.spec, self.out = spec, log
@@ -187,7 +202,9 @@ class ChaosRun:
         run = ["--nodes", "2", "--standby", "1", "--hang-timeout", "3", *pace]
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         self.job = Job(spec, "job", run, CHAOS_CONFIG)
-        self.reference = Job(spec, "reference", ["--nodes", "2"], FAST_CONFIG)
+        # The fault-free run goes on beside the job, niced: it takes the CPU the paced job
+        # leaves idle, not the job's (whose losses do not depend on its pace or its neighbours).
+        self.reference = Job(spec, "reference", ["--nodes", "2"], FAST_CONFIG, nice=REFERENCE_NICE)
 
     def say(self, msg: str) -> None:
         print(f"[chaos] {msg}", file=self.out, flush=True)
@@ -201,17 +218,18 @@ class ChaosRun:
             self.say(f"seed {self.spec.seed}; {self.spec.minutes:g} min of faults on "
                      f"{self.spec.steps} steps in {self.job.run_dir}")  # fmt: skip
             self.job.start()
+            self.reference.start()
             self._drive(menu)
             self.say(f"{len(self.faults)} faults; waiting for the job to end")
             job_code = self.job.wait(self._tail_timeout_s())
+            self.reference.seconds()
             job_s = time.monotonic() - t0
             menu.close()
             self.job.close()
-            self.say(f"job exited {job_code} after {job_s:.0f}s; the fault-free reference run")
-            r0 = time.monotonic()
-            self.reference.start()
+            self.say(f"job exited {job_code} after {job_s:.0f}s; waiting for the fault-free "
+                     "reference run beside it")  # fmt: skip
             ref_code = self.reference.wait(self._reference_timeout_s())
-            ref_s = time.monotonic() - r0
+            ref_s = self.reference.seconds()
         finally:
             menu.close()
             for j in (self.job, self.reference):
@@ -238,6 +256,7 @@ class ChaosRun:
             time.sleep(max(0.0, min(next_at, end) - time.monotonic()))
             if time.monotonic() >= end or self.job.launcher_pid() is None:
                 break
+            self.reference.seconds()  # notes when the reference ended
             got = menu.inject()
             if got is not None:
                 fault = Fault(t_s=round(time.monotonic() - t0, 1), kind=got[0], what=got[1])
