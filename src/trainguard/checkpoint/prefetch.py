@@ -56,7 +56,8 @@ def copy_step(src_root: Path, dest_root: Path, step: int) -> int:
         raise ValueError(problems[0])
     gen = storage.committed_generation(src_root, step)
     tmp = storage.tmp_dir(dest_root, step, gen)
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in dest_root.glob(".tmp-step_*"):  # this one, or any a killed copier left torn
+        shutil.rmtree(stale, ignore_errors=True)
     total = 0
     try:
         src = storage.step_dir(src_root, step)

@@ -9,6 +9,8 @@ A directory without ``.metadata`` and ``manifest.json`` is never listed.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -125,9 +127,17 @@ def commit(
             # e.g. re-persisted by a restarted ckptd, never replaces the newer one)
             raise FileExistsError(f"checkpoint step {step} already committed at {final}")
         # A copy of another generation (a run that resumed from before it: its timeline was
-        # abandoned) or one that fails verification: the new, complete copy replaces it. The
-        # old one moves aside first, so some complete step_N exists at every moment but one
-        # rename apart, and is deleted only after the new one is in place.
+        # abandoned) or one that fails verification: the new, complete copy replaces it. Both
+        # swap names in one atomic exchange where the filesystem has it, so a kill leaves the
+        # old or the new step_N, never neither; the old copy, now under ``tmp``'s name, is
+        # deleted after (a kill first leaves it to ``prune`` or ``clean_leftovers``).
+        if _exchange(tmp, final):
+            _fsync_dir(root)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final
+        # Elsewhere (no RENAME_EXCHANGE: NFS, some FUSE) the old one moves aside first, so some
+        # complete step_N exists at every moment but one rename apart (``clean_leftovers``
+        # renames it back at a re-run), and is deleted only after the new one is in place.
         aside = root / f".replaced-step_{step}-{os.getpid()}-{time.monotonic_ns()}"
         os.rename(final, aside)
         os.rename(tmp, final)
@@ -137,6 +147,25 @@ def commit(
     os.rename(tmp, final)
     _fsync_dir(root)
     return final
+
+
+_RENAME_EXCHANGE = 2  # renameat2(2) flag: swap the two names atomically (Linux 3.15+)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names of ``a`` and ``b`` in one atomic step (``renameat2`` with
+    RENAME_EXCHANGE). False, with nothing changed, where the C library or the filesystem does
+    not have it; other OSErrors propagate."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def committed_generation(root: Path, step: int) -> int:
