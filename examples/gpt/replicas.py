@@ -64,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     sampler = BatchSampler(
         corpus, block_size=args.block_size, batch_size=args.batch_size, seed=args.seed, rank=rank
     )
-    state = {"model": model, "optim": optim, "rng": {"cpu": torch.get_rng_state()}}
+    # The RNG stream is each rank's own (per_rank): replicated state is restored from rank 0's
+    # copy, and rank 1 given rank 0's dropout stream would train other losses after a restore.
+    state = {"model": model, "optim": optim, "per_rank": {"rng": torch.get_rng_state()}}
     ckpt = trainguard.Checkpointer(durable_every=args.durable_every)
     start = 0
     if (restored := ckpt.load(state)) is not None:  # a global recovery's restore point
-        torch.set_rng_state(state["rng"]["cpu"])
+        torch.set_rng_state(state["per_rank"]["rng"])
         start = restored
     rg = replica.ReplicaGroup(model, optim, step=start)  # joins; a returning group heals here
     out = Path(os.environ.get("TRAINGUARD_RUN_DIR") or ".")
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                    "time": time.time()}  # fmt: skip
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
-        state["rng"]["cpu"] = torch.get_rng_state()
+        state["per_rank"]["rng"] = torch.get_rng_state()
         ckpt.save(step, state, durable=True if step == args.steps else None)
     rg.finish()  # a group still restarting is waited for and healed to the last step
     if saved < rg.step:  # healed at the end: this rank's last step, and its checkpoint part

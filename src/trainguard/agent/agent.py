@@ -333,7 +333,7 @@ class Agent:
     # ------------------------------------------------------------------ reconcile
     def _reconcile(self) -> bool:
         """Act on the desired state. Returns True when the agent should exit."""
-        _, d = self._desired
+        version, d = self._desired
         if isinstance(d, Shutdown):
             log.info("job ended (%s: %s); agent exiting", d.phase, d.reason)
             return True
@@ -346,7 +346,12 @@ class Agent:
         self.checks.stop()
         ckpt = d.ckpt if isinstance(d, Run | Idle) else None
         if ckpt is not None:
-            self.ckptd.ensure(ckpt)
+            self.ckptd.ensure(ckpt)  # starting a ckptd waits until it listens (up to 30 s)
+            if self._desired[0] != version:
+                # A newer desired state came meanwhile: act on that one, never on this (a
+                # restarted agent's first reply can be the Run its node was lost from; acted
+                # on after a slow ckptd start, it started a worker of a finished generation).
+                return False
         if isinstance(d, Idle) and d.prefetch and ckpt is not None:
             self.prefetch.follow(
                 Path(ckpt.dir), prefetch_root(ckpt.shm_dir, self.job_id, self.cfg.node_id)

@@ -462,6 +462,9 @@ class Controller:
     def _all_back(self) -> bool:
         """Every node of the job reported since the controller (re)started or woke up."""
         want = {n for n, p in self.state.pools.items() if p in (Pool.RUNNING, Pool.STANDBY)}
+        if self.preflight is not None and self.preflight.active is not None:
+            # nodes in no pool yet, being checked: a stale report would fail them ("lost")
+            want |= set(self.preflight.active.nodes)
         return all(n in self.obs and self.obs[n].last_seen >= self._back_since for n in want)
 
     def _full_publish_due(self) -> bool:
