@@ -46,6 +46,12 @@ TINY = [
     "--dropout",
     "0.1",
 ]
+# The paced job of the own-parts fault tests: rank 0's steps 5x longer (a sleep; the losses do
+# not change), so the job is still training when a fault, its detection and its recovery are
+# over; a snapshot every 5 steps (its replica reaches the peer before the next), durable every 10.
+PACE = ["--inject", "slow:rank=0:factor=5"]
+PACED_STEPS = 120
+PACED_ARGS = [*TINY, "--steps", str(PACED_STEPS), "--ckpt-every", "5", "--durable-every", "10"]
 # Short timeouts so faults are seen in seconds: the chaos command's own (chaos/run.py).
 FAST_CONFIG = chaos_run.FAST_CONFIG
 # (probe_every_s = 0: no in-job GEMM probe process beside each test's workers, a torch import
@@ -296,6 +302,38 @@ def agent_pid(run_dir: Path, node_id: str) -> int:
         return None
 
     return int(wait_for(find, 30, f"agent {node_id}"))
+
+
+@contextlib.contextmanager
+def strace_attached(pid: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """strace attached to every thread of ``pid`` (and the threads it starts), with ``args``
+    (its filters and injections, e.g. ``-e inject=openat:signal=STOP``: a real signal at one
+    system call), from the moment every thread is traced (30 s deadline); terminated after.
+    Skips without strace."""
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace (it puts a real SIGKILL/SIGSTOP at one system call)")
+    s = subprocess.Popen(["strace", "-qq", "-f", "-o", "/dev/null", "-p", str(pid), *args])
+
+    def traced() -> bool:
+        tracers = set()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, IndexError):
+                line = task.joinpath("status").read_text().split("TracerPid:")[1]
+                tracers.add(int(line.split()[0]))
+        return tracers == {s.pid}
+
+    try:
+        wait_for(lambda: s.poll() is not None or traced(), 30, "strace to attach")
+        assert s.poll() is None, "strace could not attach (ptrace not permitted?)"
+        yield s
+    finally:
+        if s.poll() is None:
+            s.terminate()
+        try:
+            s.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            s.kill()
+            s.wait()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from tests.conftest import (
     reached_step,
     report,
     start_job,
+    strace_attached,
     wait_for,
     worker_pid,
 )
@@ -382,35 +382,6 @@ def test_an_agent_frozen_shorter_than_the_node_timeout_blames_no_rank_for_a_hang
     print(f"agent frozen {freeze_s}s (hang timeout {hang_s}s): training reached step {during}")
 
 
-@contextlib.contextmanager
-def _strace(pid: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """strace attached to every thread of running ``pid`` with ``args`` (its filters and
-    injection), from the moment every thread is traced; ended after."""
-    _need_strace()
-    s = subprocess.Popen(["strace", "-qq", "-f", "-o", "/dev/null", "-p", str(pid), *args])
-
-    def traced() -> bool:
-        tracers = set()
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError, IndexError):
-                line = task.joinpath("status").read_text().split("TracerPid:")[1]
-                tracers.add(int(line.split()[0]))
-        return tracers == {s.pid}
-
-    try:
-        wait_for(lambda: s.poll() is not None or traced(), 30, "strace to attach")
-        assert s.poll() is None, "strace could not attach"
-        yield s
-    finally:
-        if s.poll() is None:
-            s.terminate()
-        try:
-            s.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            s.kill()
-            s.wait()
-
-
 def _stopped(pid: int) -> bool:
     """Every thread of ``pid`` is stopped (SIGSTOP)."""
     states = []
@@ -456,7 +427,9 @@ def test_ckptd_frozen_under_the_agents_preverify_is_killed_and_each_rank_verifie
             for p in snapshot.slot_paths(Path("/dev/shm"), job_id(run), "node1", 1)
         ]
         paths = [a for path in sums for a in ("-P", path)]
-        with _strace(frozen, "-e", "trace=openat", *paths, "-e", "inject=openat:signal=STOP"):
+        with strace_attached(
+            frozen, "-e", "trace=openat", *paths, "-e", "inject=openat:signal=STOP"
+        ):
             os.kill(victim, signal.SIGKILL)
             wait_for(lambda: _stopped(frozen), 120, "ckptd frozen in the pre-verify's Verify")
         # strace detached (a traced zombie is not handed to its parent while its tracer lives:

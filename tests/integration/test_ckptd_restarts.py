@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, strace_attached, wait_for
 from trainguard.agent import ckptd_sup
 from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.checkpoint import snapshot, storage
@@ -186,36 +185,6 @@ def _listening(node: str = NODE) -> bool:
 def _allocated(path: Path) -> int:
     """Bytes of ``path`` backed by pages (a tmpfs file's ``st_blocks``)."""
     return path.stat().st_blocks * 512
-
-
-@contextlib.contextmanager
-def _strace(pid: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """strace attached to every thread of ``pid`` (and the threads it starts), with ``args``
-    (its filters and injections), from the moment every thread is traced; ended after."""
-    if shutil.which("strace") is None:
-        pytest.skip("needs strace (it puts a real SIGKILL/SIGSTOP at one system call)")
-    s = subprocess.Popen(["strace", "-qq", "-f", "-o", "/dev/null", "-p", str(pid), *args])
-
-    def traced() -> bool:
-        tracers = set()
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError, IndexError):
-                line = task.joinpath("status").read_text().split("TracerPid:")[1]
-                tracers.add(int(line.split()[0]))
-        return tracers == {s.pid}
-
-    try:
-        wait_for(lambda: s.poll() is not None or traced(), 30, "strace to attach")
-        assert s.poll() is None, "strace could not attach (ptrace not permitted?)"
-        yield s
-    finally:
-        if s.poll() is None:
-            s.terminate()
-        try:
-            s.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            s.kill()
-            s.wait()
 
 
 def _untrace(tracer: subprocess.Popen[bytes]) -> None:
@@ -403,7 +372,9 @@ def test_the_agent_kills_a_ckptd_frozen_while_starting_at_30s_and_starts_the_nex
 def _kill_at_second_fallocate(d: subprocess.Popen[bytes], alloc: Callable[[], object]) -> None:
     """Start ``alloc`` (a rank's first Alloc) and SIGKILL ckptd ``d`` as it allocates the
     second slot; returns once it is dead."""
-    with _strace(d.pid, "-e", "trace=fallocate", "-e", "inject=fallocate:signal=KILL:when=2"):
+    with strace_attached(
+        d.pid, "-e", "trace=fallocate", "-e", "inject=fallocate:signal=KILL:when=2"
+    ):
         alloc()
         d.wait(timeout=180)
     assert d.returncode == -signal.SIGKILL, d.returncode
@@ -506,7 +477,7 @@ def test_ckptd_killed_mid_verify_the_rank_checksums_the_slot_itself(
         _save(tmp_path, shm, 1, 2, "16", durable_every=0)
         wait_for(lambda: [2, 0] in _status().memory.get("0", []), 60, "step 2 verified")
         assert storage.list_committed(root) == []
-        with _strace(d.pid, "-e", "trace=openat", *_sums(shm), "-e",
+        with strace_attached(d.pid, "-e", "trace=openat", *_sums(shm), "-e",
                      "inject=openat:signal=KILL"):  # fmt: skip
             p = _worker(tmp_path, shm, "load", "--size-mb", "16", restore=(2, 0))
             d.wait(timeout=180)
@@ -536,7 +507,9 @@ def test_ckptd_frozen_mid_verify_is_killed_by_its_agent_and_the_restore_is_exact
     assert frozen is not None
     _save(tmp_path, shm, 1, 2, "16", durable_every=0)
     wait_for(lambda: [2, 0] in agent.memory(), 60, "step 2 verified in memory")
-    with _strace(frozen, "-e", "trace=openat", *_sums(shm), "-e", "inject=openat:signal=STOP"):
+    with strace_attached(
+        frozen, "-e", "trace=openat", *_sums(shm), "-e", "inject=openat:signal=STOP"
+    ):
         p = _worker(tmp_path, shm, "load", "--size-mb", "16", restore=(2, 0))
         try:
             wait_for(lambda: _stopped(frozen) or p.poll() is not None, 180, "ckptd frozen")
@@ -587,7 +560,7 @@ def test_ckptd_killed_mid_fetch_never_publishes_the_torn_pull_and_the_retry_rest
         pull = dest.with_name(dest.name + ".pull")
         nbytes = next(shm.glob(f"trainguard-{JOB}-nodeB-replica-r0")).stat().st_size
         c = daemons["nodeC"]
-        with _strace(c.pid, "-e", "trace=write", "-P", str(pull), "-e",
+        with strace_attached(c.pid, "-e", "trace=write", "-P", str(pull), "-e",
                      "inject=write:signal=KILL:when=2"):  # fmt: skip
             p = _worker(tmp_path, shm, "load", "--size-mb", "16", node="nodeC", restore=(1, 0),
                         extra={rt_api.ENV_REPLICA_SOURCE: holder})  # fmt: skip
@@ -636,7 +609,7 @@ def test_a_persist_order_taken_by_a_ckptd_killed_before_writing_is_sent_to_the_n
     wait_for(lambda: [3, 0] in agent.memory(), 60, "step 3 verified in memory")
     assert storage.list_committed(root) == [2]
     stop = Stop(generation=0, grace_s=1.0, persist=(3, 0))
-    with _strace(first, "-e", "trace=mkdir,mkdirat", "-e",
+    with strace_attached(first, "-e", "trace=mkdir,mkdirat", "-e",
                  "inject=mkdir,mkdirat:delay_enter=600s") as tracer:  # fmt: skip
         agent.sup.refresh(stop)  # the order, answered
         took = [e for e in _status().events if e["kind"] == "ckpt_persist_held"]
@@ -695,7 +668,7 @@ def test_ckptd_killed_mid_shutdown_with_a_part_pending_slots_unlinked_committed_
             _go(p, step)
             wait_for(lambda: storage.list_committed(root) == list(range(1, step + 1)), 60,  # noqa: B023
                      "its commit")  # fmt: skip
-        with _strace(pid, "-e", "trace=mkdir,mkdirat", "-e",
+        with strace_attached(pid, "-e", "trace=mkdir,mkdirat", "-e",
                      "inject=mkdir,mkdirat:delay_enter=600s") as tracer:  # fmt: skip
             _go(p, 3)
             wait_for(lambda: [3, 0] in agent.memory(), 60, "step 3 verified (its part pending)")
@@ -742,7 +715,7 @@ def test_ckptd_frozen_mid_shutdown_is_killed_at_the_stop_deadline_and_slots_unli
     wait_for(lambda: [2, 0] in agent.memory(), 60, "step 2 verified in memory")
     first = snapshot.slot_paths(shm, JOB, NODE, 0)[0]
     assert first.exists()
-    with _strace(pid, "-e", "trace=unlink,unlinkat", "-P", str(first), "-e",
+    with strace_attached(pid, "-e", "trace=unlink,unlinkat", "-P", str(first), "-e",
                  "inject=unlink,unlinkat:signal=STOP"):  # fmt: skip
         t0 = time.monotonic()
         agent.sup.stop()

@@ -21,6 +21,9 @@ import pytest
 from tests.conftest import (
     FAST_CONFIG,
     GPT,
+    PACE,
+    PACED_ARGS,
+    PACED_STEPS,
     ROOT,
     TINY,
     agent_pid,
@@ -44,12 +47,7 @@ from trainguard.chaos.faults import job_id as _job
 from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.replica import replica_path
 
-STEPS = 120
-# Steps 5x longer (a sleep on rank 0; the losses do not change): a job that must still be
-# running after seconds of a frozen controller.
-PACE = ["--inject", "slow:rank=0:factor=5"]
-# A snapshot every 5 steps: the replica of each one reaches its peer before the next.
-ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--durable-every", "10"]
+STEPS, ARGS = PACED_STEPS, PACED_ARGS  # PACE: rank 0 paced 5x (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

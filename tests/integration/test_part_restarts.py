@@ -26,8 +26,10 @@ import pytest
 from tests.conftest import (
     FAST_CONFIG,
     GPT,
+    PACE,
+    PACED_ARGS,
+    PACED_STEPS,
     ROOT,
-    TINY,
     agent_pid,
     drop_segments,
     events,
@@ -46,11 +48,7 @@ from trainguard.chaos.faults import job_id, run_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 120
-# Steps 5x longer (a sleep on rank 0; the losses do not change): the job is still training
-# when a fault, its detection and its recovery are over.
-PACE = ["--inject", "slow:rank=0:factor=5"]
-ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "5", "--durable-every", "10"]
+STEPS, ARGS = PACED_STEPS, PACED_ARGS  # PACE: rank 0 paced 5x (tests/conftest.py)
 NODE_TIMEOUT_S = 3.0  # FAST_CONFIG's
 assert f"node_timeout_s = {NODE_TIMEOUT_S}" in FAST_CONFIG
 # A torn last line, as a process killed in the middle of writing an event leaves it.
