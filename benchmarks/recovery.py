@@ -414,7 +414,8 @@ def run_trainguard(
     if side.inprocess and (rec.get("mode") != "inprocess" or rec.get("kept") != survivors):
         raise BenchError(
             f"trainguard: expected an in-process recovery keeping {survivors}, got mode "
-            f"{rec.get('mode')} kept {rec.get('kept')} ({rec.get('mode_reason')})"
+            f"{rec.get('mode')} kept {rec.get('kept')} ({rec.get('mode_reason')}); escalated: "
+            f"{rec.get('escalated')}; new: {rec.get('new')}:\n{_tail(log)}"
         )
     return {
         "mode": rec.get("mode"),

@@ -349,17 +349,18 @@ def test_the_agent_kills_a_ckptd_frozen_while_starting_at_30s_and_starts_the_nex
     frozen: list[int] = []
 
     def freeze() -> None:
-        if not frozen:
-            pid = _ckptd_children({first})[-1]
-            os.kill(pid, signal.SIGSTOP)
-            frozen.append(pid)
+        new = _ckptd_children({first})
+        if not frozen and new:  # none: it died before listening (its log says why below)
+            os.kill(new[-1], signal.SIGSTOP)
+            frozen.append(new[-1])
 
     agent.on_idle = freeze
     t0 = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="trainguard.agent"):
         agent.sup.ensure(agent.conf)
     took = time.monotonic() - t0
-    assert frozen and _gone(frozen[0]), frozen
+    ckptd_log = (tmp_path / "logs" / f"ckptd.{NODE}.log").read_text()
+    assert frozen and _gone(frozen[0]), f"no new ckptd to freeze; its log:\n{ckptd_log}"
     assert any("did not start" in r.getMessage() for r in caplog.records), caplog.text
     assert 30.0 <= took < 60.0, took
     agent.on_idle = lambda: None

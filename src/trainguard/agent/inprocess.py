@@ -67,6 +67,10 @@ class InProcessStops:
             self._next_send = {}
             self._on_event("inprocess_abort", generation=d.generation, keep=sorted(keep),
                            killed=killed, reason=why)  # fmt: skip
+            for rank in sorted(set(d.keep) & set(group.workers) - keep):  # the controller's
+                w = group.workers[rank]  # view was older than this agent's: say which part
+                self._on_event("inprocess_escalated", generation=d.generation, rank=rank,
+                               pid=w.proc.pid, reason=_not_abortable(w))  # fmt: skip
         for rank, deadline in list(self._aborting.items()):
             w = group.workers[rank]
             if w.state != "running":  # parked, or its process ended meanwhile
@@ -152,3 +156,13 @@ class InProcessStops:
 def _abortable(w: wk.Worker | None) -> bool:
     """A worker that can be kept: alive, under ``trainguard.run``, its address known."""
     return w is not None and w.state in ("running", "parked") and w.inprocess and w.addr is not None
+
+
+def _not_abortable(w: wk.Worker) -> str:
+    """Why a rank the controller kept cannot be aborted here (``_abortable`` is False)."""
+    if w.state not in ("running", "parked"):
+        return (f"its process had already {w.state} (status {w.exit_code}) when the abort "
+                "came: restarted as a new process")  # fmt: skip
+    if not w.inprocess:
+        return "it no longer runs under trainguard.run: restarted as a new process"
+    return "its control address is not known yet: restarted as a new process"

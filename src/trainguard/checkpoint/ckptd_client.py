@@ -78,17 +78,27 @@ def spawn(
             env=env,
         )
     deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            CkptdClient(socket_name(job, node), timeout_s=1.0).close()
-            return proc
-        except OSError:
-            idle()
-            time.sleep(0.02)
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                CkptdClient(socket_name(job, node), timeout_s=1.0).close()
+                return proc
+            except OSError:
+                idle()
+                time.sleep(0.02)
+    except BaseException:  # ``idle`` raised, or an interrupt: no ckptd left unowned
+        _kill(proc)
+        raise
+    _kill(proc)
+    raise CheckpointError(f"ckptd for {node} did not start; see {log}")
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` if it still runs and reap it (5 s deadline: a frozen one dies too)."""
     if proc.poll() is None:
         proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5.0)
-    raise CheckpointError(f"ckptd for {node} did not start; see {log}")
 
 
 class CkptdClient:
