@@ -17,17 +17,26 @@ Per size it prints:
   when the simulated agents (the agent's jittered back-off) were all back, and a check from
   the events that the job did not restart and nothing was decided on stale observations.
 
+With relays (``--relays``, default one per ``RACK_NODES`` nodes; issue 31) real
+``trainguard relay`` processes stand in front of the controller: the simulated nodes of each
+rack report to their relay (and fall back to the controller as the agent does), the
+controller takes only the relays' uplinks; after the steady window the last relay is
+SIGKILLed: its nodes must report directly within the node timeout and no node may be lost.
+
 The heartbeat and node timeout are the controller's own, as its run orders carry them to
-the agents (the simulators adopt them, as the agent does). Targets (issue 14): steady p99
-report latency <= 100 ms, a lost node decided within its node timeout + 1 s, the controller
-within one core.
+the agents (the simulators adopt them, as the agent does). Targets (issues 14 and 31): a
+heartbeat <= 2 s and a node timeout <= 10 s at every size, steady p99 report latency
+<= 100 ms, a lost node decided within its node timeout + 1 s, the controller within one
+core; a relay killed causes no false node loss and its nodes are back within the node timeout.
 
 Keys: ``sizes``, one entry a size: ``nodes``, ``workers``, ``heartbeat_s``,
 ``node_timeout_s``, ``join_s``, ``controller_cores``, ``controller_rss_mb``,
 ``report_p50_ms``, ``report_p99_ms``, ``reports``, ``steady_report_p50_ms``,
 ``steady_report_p99_ms``, ``controller_side``, ``fault``, ``fault_node``,
-``detect_after_last_heartbeat_s``, ``replacement_decided_s``, ``replaced_by`` (and
-``controller_restart`` with ``--restart``).
+``detect_after_last_heartbeat_s``, ``replacement_decided_s``, ``replaced_by``, ``relays``,
+``relay_cores`` (all relays' CPU together), ``relay_kill`` (with relays: ``nodes``,
+``all_back_s``, ``nodes_back_p50_s``, ``nodes_back_last_s``, ``false_node_loss``,
+``relay_lost_said_s``) and ``controller_restart`` with ``--restart``.
 
 ``--smoke``: 32 nodes, one simulator process, a 0.2 s heartbeat and a 2 s node timeout, 2 s
 measured (CI). ``--record`` writes ``benchmarks/results/controller_scale.json``
@@ -57,13 +66,17 @@ from typing import Any
 import common
 from node_recovery import wait_until  # beside this file
 
-from trainguard.agent.link import backoff_after
+from trainguard.agent.link import RELAY_RETRY_S, RELAY_STALE_S, RELAY_TIMEOUT_S, backoff_after
 from trainguard.controller.config import scaled_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"
 NPROC = 8
 VICTIM = 7  # the node killed mid-run: a running one (node ranks follow names)
+# Nodes per simulated rack (one relay process each). A real rack is smaller (16-64 nodes);
+# here every relay is a process on the same 2 cores, and the controller's uplink rate is
+# bounded whatever their number (server.py RELAY_UPLINKS_PER_S).
+RACK_NODES = 512
 
 
 def _sim(
@@ -78,22 +91,33 @@ def _sim(
     stop: Any,
     out: Any,
     timing: Any,
+    relays: list[str],
+    total: int,
+    relay_epoch: Any,
+    relay_back: Any,
 ) -> None:
     """One simulator process: an asyncio client per node of ``nodes``. A node whose report
     fails retries with the agent's jittered back-off (``link.backoff_after``); ``back``
     counts nodes whose first report sent after ``epoch`` (wall time of a controller kill)
     succeeded. A node reports every ``heartbeat_s`` until a run order carries the
     controller's heartbeat, then at that one; ``timing`` (heartbeat_s, node_timeout_s) holds
-    the run order's."""
+    the run order's. With ``relays``, node ``i`` reports through ``relays[i * R // total]``
+    (racks of consecutive nodes) and falls back to the controller as the agent does
+    (``agent/link.py`` ``RoutedLink``): ``relay_back`` counts the nodes of a killed relay whose
+    first report after ``relay_epoch`` (wall time of the kill) succeeded."""
     _raise_fd_limit()
     latencies: list[tuple[float, float]] = []  # (wall time sent, seconds to the answer)
     returned: list[float] = []  # wall time each node reported again after an outage
+    relay_returned: list[float] = []  # the same after its relay was killed
 
     host, _, port = addr.rpartition(":")
 
     async def node(i: int) -> None:
         nid, inc = f"n{i}", f"inc{i}-{os.getpid()}"
-        conn = _Conn(host, int(port), token)
+        direct = conn = _Conn(host, int(port), token)
+        via = relays[i * len(relays) // total] if relays else None
+        rconn = _Conn(*_host_port(via), token) if via else None
+        bad_until, seen_relay_epoch = 0.0, 0.0
         gen: int | None = None
         stopped, step, rank = -1, 0, 0
         action, version = "idle", 0
@@ -104,8 +128,12 @@ def _sim(
         await asyncio.sleep(random.uniform(0, hb))
         while not stop.is_set():
             if kill.value == i:
-                conn.close()
+                direct.close()
+                if rconn is not None:
+                    rconn.close()
                 return  # this node is lost: it reports no more
+            routed = rconn is not None and time.monotonic() >= bad_until
+            conn = rconn if routed and rconn is not None else direct
             running = action == "run" and gen is not None
             step += 1 if running else 0
             if key != (action, gen, rank, stopped, version):
@@ -131,8 +159,20 @@ def _sim(
                 repr(TIME_MARK), repr(t_wall)
             )
             try:
-                reply = await conn.post("/v1/report", body.encode(), timeout_s=30.0)
+                reply = await conn.post(
+                    "/v1/report", body.encode(), timeout_s=RELAY_TIMEOUT_S if routed else 30.0
+                )
+                if routed and (reply.get("upstream_age_s") is None
+                               or float(reply["upstream_age_s"]) > RELAY_STALE_S):  # fmt: skip
+                    raise OSError("the relay has no fresh controller contact")
                 latencies.append((t_wall, time.monotonic() - t0))
+                if (relay_epoch.value and t_wall > relay_epoch.value
+                        and seen_relay_epoch != relay_epoch.value):  # fmt: skip
+                    seen_relay_epoch = relay_epoch.value
+                    if via is not None and via == relays[-1]:  # the killed one's node
+                        relay_returned.append(time.time())
+                        with relay_back.get_lock():
+                            relay_back.value += 1
                 if failed:
                     failed, backoff = False, 0.1
                 if epoch.value and t_wall > epoch.value and seen_epoch != epoch.value:
@@ -157,6 +197,9 @@ def _sim(
                     conn.close()
                     return
             except (OSError, EOFError, TimeoutError, ValueError, KeyError, IndexError):
+                if routed:  # as RoutedLink: directly for RELAY_RETRY_S, at once
+                    bad_until = time.monotonic() + RELAY_RETRY_S
+                    continue
                 failed = True
                 await asyncio.sleep(backoff)
                 backoff = backoff_after(backoff)
@@ -167,10 +210,15 @@ def _sim(
         await asyncio.gather(*(node(i) for i in nodes))
 
     asyncio.run(main())
-    out.put((latencies, returned))
+    out.put((latencies, returned, relay_returned))
 
 
 STEP_MARK, TIME_MARK = 876543210, 1234567890.125  # replaced in each report's JSON
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
 
 
 class _Conn:
@@ -297,17 +345,18 @@ def measure(
     heartbeat_s: float | None,
     restart: bool,
     node_timeout_s: float | None = None,
+    relays: int = 0,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
     run = tmp / "run"
     cfg = tmp / "job.toml"
     cfg.write_text(
-        'preflight = "off"\n'
+        f'preflight = "off"\nrelays = {relays}\n'
         + (f"heartbeat_s = {heartbeat_s}\n" if heartbeat_s else "")
         + (f"node_timeout_s = {node_timeout_s}\n" if node_timeout_s else "")
     )
     # Until the first run order says the controller's own: the scale rule (nodes + standby).
-    hb_start = heartbeat_s or scaled_timing(n + 1)[0]
+    hb_start = heartbeat_s or scaled_timing(n + 1, relays)[0]
     log = open(tmp / "controller.log", "w")  # noqa: SIM115 - closed with the process below
     cmd = [sys.executable, "-m", "trainguard", "controller", "--bind", "127.0.0.1:0",
            "--run-dir", str(run), "--config", str(cfg), "--nodes", str(n), "--standby", "1",
@@ -324,6 +373,7 @@ def measure(
         return started[-1]
 
     ctl = start_controller()
+    relay_procs: list[subprocess.Popen[bytes]] = []  # every relay, killed at the end
     sims: list[mp.Process] = []
     stop = mp.Event()
     try:
@@ -334,7 +384,10 @@ def measure(
         timing = mp.Array("d", [0.0, 0.0])  # (heartbeat_s, node_timeout_s) of the run orders
         kill, killed_at = mp.Value("i", -1), mp.Value("d", 0.0)  # victim's last report (wall)
         back, epoch = mp.Value("i", 0), mp.Value("d", 0.0)
-        out: mp.Queue[tuple[list[float], list[float]]] = mp.Queue()
+        out: mp.Queue[tuple[list[float], list[float], list[float]]] = mp.Queue()
+        relay_epoch, relay_back = mp.Value("d", 0.0), mp.Value("i", 0)
+        relay_addrs = [_start_relay(addr, run / "token", k, tmp, relay_procs)
+                       for k in range(relays)]  # fmt: skip
         ids = list(range(n + 1))
         for k in range(procs):
             p = mp.Process(
@@ -351,6 +404,10 @@ def measure(
                     stop,
                     out,
                     timing,
+                    relay_addrs,
+                    n + 1,
+                    relay_epoch,
+                    relay_back,
                 ),
                 daemon=True,
             )
@@ -372,8 +429,10 @@ def measure(
         time.sleep(min(5.0, measure_s))  # settle
         h0 = _scrape(addr, token)
         c0, w0, steady_from = _cpu_s(ctl.pid), time.monotonic(), time.time()
+        r0 = sum(_cpu_s(r.pid) for r in relay_procs)
         time.sleep(measure_s)
         cores = (_cpu_s(ctl.pid) - c0) / (time.monotonic() - w0)
+        relay_cores = (sum(_cpu_s(r.pid) for r in relay_procs) - r0) / (time.monotonic() - w0)
         steady_to = time.time()
         h1 = _scrape(addr, token)
         rep, tick = "trainguard_report_handling_seconds", "trainguard_tick_seconds"
@@ -389,6 +448,12 @@ def measure(
             ctl, after_restart = _restart(
                 ctl, start_controller, run, n + 1, back, epoch, timeout_eff
             )
+        relay_kill = (
+            _kill_relay(relay_procs[-1], run, relay_epoch, relay_back,
+                        sum(1 for i in ids if i * relays // (n + 1) == relays - 1), timeout_eff)
+            if relays
+            else None
+        )  # fmt: skip
         victim = VICTIM
         kill.value = victim
         fault = wait_until(
@@ -408,10 +473,17 @@ def measure(
         stop.set()
         sent: list[tuple[float, float]] = []
         returned: list[float] = []
+        relay_returned: list[float] = []
         for _ in sims:
-            got_lat, got_back = out.get(timeout=120)
+            got_lat, got_back, got_relay_back = out.get(timeout=120)
             sent += got_lat
             returned += got_back
+            relay_returned += got_relay_back
+        if relay_kill is not None:
+            spread = sorted(t - relay_kill["t_kill"] for t in relay_returned)
+            relay_kill["nodes_back_p50_s"] = round(statistics.median(spread), 2) if spread else None
+            relay_kill["nodes_back_last_s"] = round(spread[-1], 2) if spread else None
+            relay_kill.pop("t_kill")
         lat = sorted(d for _, d in sent)
         steady = sorted(d for t, d in sent if steady_from <= t <= steady_to)
         if os.environ.get("TG_SCALE_DEBUG"):
@@ -438,6 +510,8 @@ def measure(
             "node_timeout_s": timeout_eff,
             "join_s": round(join_s, 1),
             "controller_cores": round(cores, 3),
+            "relays": relays,
+            "relay_cores": round(relay_cores, 3),
             "controller_rss_mb": round(rss, 1),
             "report_p50_ms": _ms(lat, 0.5),
             "report_p99_ms": _ms(lat, 0.99),
@@ -453,6 +527,7 @@ def measure(
             "replacement_decided_s": round(replace_s, 2),
             "replaced_by": g1["assignment"] and sorted(set(g1["assignment"]) - {f"n{victim}"})[-1:],
             **({"controller_restart": after_restart} if restart else {}),
+            **({"relay_kill": relay_kill} if relay_kill is not None else {}),
         }
     finally:
         stop.set()
@@ -460,7 +535,7 @@ def measure(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        for c in started:
+        for c in [*started, *relay_procs]:
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
             try:
@@ -469,7 +544,62 @@ def measure(
                 c.kill()
                 c.wait()
         log.close()
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        if os.environ.get("TG_SCALE_KEEP"):  # debugging: the run dir and logs stay
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
+def _start_relay(
+    controller: str, token_file: Path, k: int, tmp: Path, procs: list[subprocess.Popen[bytes]]
+) -> str:
+    """Start ``trainguard relay`` number ``k`` (a real process on loopback) for the controller
+    at ``controller``; its address once it listens (60 s deadline)."""
+    log = open(tmp / f"relay{k}.log", "w")  # noqa: SIM115 - the process owns it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainguard", "relay", "--controller", controller,
+         "--token-file", str(token_file), "--bind", "127.0.0.1:0", "--relay-id", f"rack{k}"],
+        stdout=subprocess.PIPE, stderr=log, cwd=ROOT, preexec_fn=_raise_fd_limit,
+    )  # fmt: skip
+    procs.append(proc)
+    log.close()
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if line.startswith("relay listening on "):
+            return line.split()[-1]
+        if not line and proc.poll() is not None:
+            break
+    raise SystemExit(f"relay {k} did not start; see {tmp / f'relay{k}.log'}")
+
+
+def _kill_relay(
+    proc: subprocess.Popen[bytes],
+    run: Path,
+    epoch: Any,
+    back: Any,
+    nodes: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """SIGKILL a relay mid-run (its ``nodes`` fall back to the controller), wait one node
+    timeout + 2 s, and check from the events that no node was lost and nothing restarted.
+    Raises SystemExit on a false node loss."""
+    t_kill = time.time()
+    epoch.value = t_kill
+    proc.kill()
+    proc.wait()
+    wait_until(lambda: back.value >= nodes, timeout_s * 3 + 30,
+               "the killed relay's nodes to report directly")  # fmt: skip
+    all_back = time.time() - t_kill
+    time.sleep(max(0.0, t_kill + timeout_s + 2.0 - time.time()))
+    after = [e for e in _events(run) if float(e["ts"]) >= t_kill]
+    decided = [e["kind"] for e in after if e["kind"] in ("fault", "generation_started")]
+    if decided:
+        raise SystemExit(f"a relay's loss changed the job (false node loss): {decided}")
+    lost = [float(e["ts"]) - t_kill for e in after if e["kind"] == "relay_lost"]
+    return {"nodes": nodes, "all_back_s": round(all_back, 2), "false_node_loss": False,
+            "relay_lost_said_s": round(lost[0], 2) if lost else None, "t_kill": t_kill}  # fmt: skip
 
 
 def _restart(
@@ -511,19 +641,30 @@ def _restart(
 
 
 TARGET_P99_MS = 100.0  # steady report latency, p99 (issue 14)
+TARGET_HEARTBEAT_S, TARGET_NODE_TIMEOUT_S = 2.0, 10.0  # at every size (issue 31)
 TARGET_CORES = 1.0  # the controller's CPU
 
 
 def _size_target(row: dict[str, Any]) -> str:
     p99, timeout = row["steady_report_p99_ms"], row["node_timeout_s"]
-    return "; ".join([
+    parts = [
+        "heartbeat " + common.verdict(row["heartbeat_s"], TARGET_HEARTBEAT_S, " s"),
+        "node timeout " + common.verdict(timeout, TARGET_NODE_TIMEOUT_S, " s"),
         "steady p99 "
         + (common.verdict(p99, TARGET_P99_MS, " ms") if p99 is not None else "not measured"),
         "lost node decided "
         + common.verdict(row["detect_after_last_heartbeat_s"], timeout + 1.0, " s",
                          "node timeout + 1 s"),
         "controller " + common.verdict(row["controller_cores"], TARGET_CORES, " core"),
-    ])  # fmt: skip
+    ]  # fmt: skip
+    rk = row.get("relay_kill")
+    if rk is not None:
+        parts.append(
+            ("no false node loss" if not rk["false_node_loss"] else "FALSE NODE LOSS")
+            + "; its nodes back "
+            + common.verdict(rk["nodes_back_last_s"] or 0.0, timeout, " s", "node timeout")
+        )
+    return "; ".join(parts)
 
 
 def table_rows(result: dict[str, Any]) -> list[common.Row]:
@@ -536,7 +677,9 @@ def table_rows(result: dict[str, Any]) -> list[common.Row]:
         rows.append(
             {
                 "what": (
-                    f"controller at {r['nodes']:,} simulated nodes ({r['workers']:,} workers; "
+                    f"controller at {r['nodes']:,} simulated nodes ({r['workers']:,} workers"
+                    + (f", {r['relays']} relays" if r.get("relays") else ", no relays")
+                    + "; "
                     f"heartbeat {r['heartbeat_s']:g} s, node timeout {r['node_timeout_s']:g} s): "
                     "the real controller process, agents simulated on loopback"
                 ),
@@ -548,6 +691,13 @@ def table_rows(result: dict[str, Any]) -> list[common.Row]:
                     f"{r['controller_cores']:.2f} cores, {r['controller_rss_mb']:.0f} MB; lost "
                     f"node decided {r['detect_after_last_heartbeat_s']:.1f} s after its last "
                     f"heartbeat, standby generation {r['replacement_decided_s']:.1f} s later"
+                    + (
+                        f"; {r['relays']} relays ({r['relay_cores']:.2f} cores), one SIGKILLed: "
+                        f"its {r['relay_kill']['nodes']} nodes reported directly within "
+                        f"{r['relay_kill']['nodes_back_last_s']} s, no node lost"
+                        if r.get("relay_kill")
+                        else ""
+                    )
                     + (
                         f"; controller SIGKILLed and restarted: up in {restart['down_s']:.2f} s, "
                         f"every node back {restart['all_back_s']:.2f} s later, job untouched"
@@ -570,12 +720,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="override the job's heartbeat (default: the controller's rule)")  # fmt: skip
     p.add_argument("--node-timeout-s", type=float, default=None,
                    help="override the job's node timeout (default: the controller's rule)")  # fmt: skip
+    p.add_argument("--relays", default="auto",
+                   help="trainguard relay processes (racks of consecutive nodes report through "
+                   f"them; one is killed mid-run): N, 0 (agents report directly) or auto (one "
+                   f"per {RACK_NODES} nodes; default)")  # fmt: skip
     p.add_argument("--restart", action="store_true",
                    help="also SIGKILL and restart the controller mid-run at each size")  # fmt: skip
     common.add_common(p, smoke="32 nodes, a 0.2 s heartbeat, 2 s measured (CI)")
     a = p.parse_args(argv)
+    # A SIGTERM (timeout, Ctrl-C's cousin) ends the run through measure's clean-up: the
+    # controller, relays and simulators it started are stopped, not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.smoke:
         a.nodes, a.procs, a.measure_s, a.heartbeat_s, a.node_timeout_s = "32", 1, 2.0, 0.2, 2.0
+        a.relays = "2" if a.relays == "auto" else a.relays
+    if a.relays != "auto" and not a.relays.isdigit():
+        p.error(f"--relays {a.relays}: a number of relays, 0 (none) or auto")
     try:
         sizes = [int(x) for x in a.nodes.split(",")]
     except ValueError:
@@ -585,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--measure-s > 0")  # fmt: skip
     rows = []
     for n in sizes:
-        row = measure(n, a.procs, a.measure_s, a.heartbeat_s, a.restart, a.node_timeout_s)
+        relays = -(-(n + 1) // RACK_NODES) if a.relays == "auto" else int(a.relays)
+        row = measure(n, a.procs, a.measure_s, a.heartbeat_s, a.restart, a.node_timeout_s,
+                      relays)  # fmt: skip
         rows.append(row)
         if not a.json:
             print(

@@ -175,6 +175,24 @@ def test_the_controller_scale_benchmark_smoke_run_prints_its_keys(tmp_path: Path
     assert size["heartbeat_s"] == 0.2 and size["node_timeout_s"] == 2.0
     assert size["fault"] == "node_lost" and size["reports"] > 0
     assert size["steady_report_p99_ms"] is not None and size["detect_after_last_heartbeat_s"] > 0
+    # Two real relays in front of it; the last one SIGKILLed mid-run: no node lost, and each of
+    # its nodes reported directly within the node timeout (issue 31).
+    assert size["relays"] == 2 and size["relay_cores"] > 0
+    rk = size["relay_kill"]
+    assert rk["false_node_loss"] is False and rk["nodes"] == 16
+    assert rk["nodes_back_last_s"] is not None and rk["nodes_back_last_s"] <= 2.0
+    assert size["fault_node"] == "n7"  # the node killed after it, not one of the relay's
+
+
+def test_the_decide_scale_benchmark_smoke_run_prints_its_keys() -> None:
+    """``benchmarks/decide_scale.py --smoke``: the controller's tick over 64 nodes."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/decide_scale.py", "--smoke", "--ticks", "10", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    r = json.loads(out.stdout)
+    assert r["nodes"] == 64 and r["workers"] == 64 * 8 and r["ticks"] == 10
+    assert 0 < r["tick_ms_p50"] <= r["tick_ms_p99"]
 
 
 @pytest.mark.timeout(420)

@@ -31,7 +31,6 @@ from tests.conftest import (
     PREFLIGHT_CONFIG,
     ROOT,
     TINY,
-    drop_segments,
     events,
     fault_free_losses,
     losses,
@@ -40,7 +39,7 @@ from tests.conftest import (
     trainguard_cmd,
     wait_for,
 )
-from trainguard.chaos.faults import job_id, run_processes
+from tests.helpers.cluster import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -55,87 +54,6 @@ PAIR_TIMEOUT_S = 4.0
 REPLICA = ROOT / "examples" / "gpt" / "replicas.py"
 REPLICA_STEPS = 400
 REPLICA_ARGS = [*TINY, "--steps", str(REPLICA_STEPS), "--durable-every", "10"]
-
-
-class Cluster:
-    """``trainguard controller`` on 127.0.0.1 and ``trainguard agent`` ``node<i>`` on
-    127.0.0.<i+2>: any of them can be killed, frozen and started again."""
-
-    def __init__(
-        self, run: Path, config: str, ctl_args: list[str], script: Path, script_args: list[str]
-    ) -> None:
-        self.run = run
-        run.mkdir()
-        self.cfg = run.parent / "job.toml"
-        self.cfg.write_text(config)
-        self.ctl_args, self.script, self.script_args = ctl_args, script, script_args
-        self.controller: subprocess.Popen[str] | None = None
-        self.agents: dict[int, subprocess.Popen[bytes]] = {}
-        self.old: list[subprocess.Popen[Any]] = []  # killed ones, reaped at the end
-
-    def start_controller(self) -> subprocess.Popen[str]:
-        """Start (or restart: the same command, the same run dir) the controller; waits until
-        it listens."""
-        if self.controller is not None:
-            self.old.append(self.controller)
-        cmd = trainguard_cmd(
-            "controller", "--bind", "127.0.0.1:0", "--run-dir", self.run, "--config", self.cfg,
-            *self.ctl_args, self.script, *self.script_args,
-        )  # fmt: skip
-        self.controller = ctl = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT
-        )
-        wait_for(lambda: (_info(self.run) or {}).get("pid") == ctl.pid, 60, "the controller")
-        return ctl
-
-    def start_agent(self, i: int) -> subprocess.Popen[bytes]:
-        """Start ``node<i>``'s agent (again: a fresh agent of the same node)."""
-        if i in self.agents:
-            self.old.append(self.agents[i])
-        addr = str((_info(self.run) or {})["addr"])
-        log = open(self.run / f"agent-node{i}.out", "ab")  # noqa: SIM115
-        cmd = trainguard_cmd(
-            "agent", "--controller", addr, "--token-file", self.run / "token",
-            "--node-id", f"node{i}", "--addr", f"127.0.0.{i + 2}", "--run-dir", self.run,
-        )  # fmt: skip
-        self.agents[i] = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT)
-        log.close()
-        return self.agents[i]
-
-    def wait(self, timeout: float = 400) -> None:
-        """Until the controller ends with exit 0 and every live agent exited."""
-        assert self.controller is not None
-        try:
-            _, err = self.controller.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the job did not end in {timeout}s") from None
-        assert self.controller.returncode == 0, err[-3000:]
-        for a in self.agents.values():
-            a.wait(timeout=90)
-
-    def close(self) -> None:
-        """SIGCONT and SIGKILL whatever is left (a failed test's clean-up), reap everything."""
-        procs: list[subprocess.Popen[Any]] = [*self.old, *self.agents.values()]
-        if self.controller is not None:
-            procs.append(self.controller)
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-            p.communicate()
-        for q in run_processes(self.run):
-            with contextlib.suppress(psutil.Error):
-                q.resume()
-                q.kill()
-        drop_segments(f"trainguard-{job_id(self.run)}-*")
-
-
-def _info(run: Path) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads((run / "controller.json").read_text()))
-    except (OSError, ValueError):
-        return None
 
 
 def _faults(run: Path) -> list[tuple[Any, Any]]:

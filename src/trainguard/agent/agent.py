@@ -39,7 +39,13 @@ from trainguard.agent.checks import CheckRunner
 from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
 from trainguard.agent.inprocess import InProcessStops
-from trainguard.agent.link import ControllerLink, HTTPStatusError, Link, backoff_after
+from trainguard.agent.link import (
+    ControllerLink,
+    HTTPStatusError,
+    Link,
+    RoutedLink,
+    backoff_after,
+)
 from trainguard.agent.local import LocalRecovery
 from trainguard.agent.probe import GemmProbe
 from trainguard.checkpoint import ckptd_client as ckptd_mod
@@ -90,6 +96,7 @@ class AgentConfig:
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME for workers (default: lo for 127.x)
     # Exit (workers stopped, slots released) after this long without controller contact.
     give_up_s: float | None = 600.0
+    relay: str | None = None  # host:port of its rack's relay (trainguard relay), if any
 
 
 def hang_limit(desired: Run, w: wk.Worker) -> float:
@@ -122,7 +129,11 @@ class Agent:
         self._fenced_generation = -1  # never restart these workers: the job moved on
         self._refused_since: float | None = None  # the controller refuses our node id (409)
         self.cfg = cfg
-        self._link = link or ControllerLink(cfg.controller, cfg.token)  # kept-alive, per thread
+        self._link = link or (  # kept-alive, per thread; through the rack's relay if any
+            RoutedLink(cfg.controller, cfg.relay, cfg.token)
+            if cfg.relay
+            else ControllerLink(cfg.controller, cfg.token)
+        )
         self.incarnation = uuid.uuid4().hex[:12]
         self._token = bytes.fromhex(cfg.token)
         self._lock = threading.Lock()
@@ -751,11 +762,11 @@ class Agent:
         are kept for the next report."""
         snap = self._snapshot()
         try:
-            self._accept(
-                self._request("POST", "/v1/report", protocol.report_to_json(snap), timeout_s)
-            )
+            reply = self._request("POST", "/v1/report", protocol.report_to_json(snap), timeout_s)
+            self._accept(reply)
             self._refused_since = None
-            self._last_report_ok = time.monotonic()
+            # Through a relay: its own last exchange with the controller is the contact.
+            self._last_report_ok = time.monotonic() - float(reply.get("upstream_age_s") or 0.0)
             return True
         except (OSError, ValueError) as e:
             self._unreachable(e)

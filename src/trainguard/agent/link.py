@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import random
 import threading
+import time
 from typing import Any, Protocol
+
+from trainguard.protocol.relay import RELAY_STALE_S
+
+log = logging.getLogger("trainguard.agent")
 
 
 class HTTPStatusError(OSError):
@@ -97,3 +103,60 @@ class ControllerLink:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+RELAY_TIMEOUT_S = 2.0  # a report to the relay: past this, the controller directly
+RELAY_RETRY_S = 10.0  # after a relay failed, reports go directly this long, then to it again
+
+
+class RoutedLink:
+    """Reports and long polls through the rack's relay (``trainguard relay``, issue 31) while
+    it answers within ``RELAY_TIMEOUT_S`` and was in contact with the controller within
+    ``RELAY_STALE_S``; otherwise directly to the controller, for ``RELAY_RETRY_S``, then the
+    relay is tried again. Other requests go directly. The relay's answers carry
+    ``upstream_age_s``, which the agent subtracts from its controller contact time (fencing).
+    Raises what ``ControllerLink.request`` raises, from the controller's attempt."""
+
+    ROUTED = ("/v1/report", "/v1/desired")
+
+    def __init__(self, controller: str, relay: str, token: str) -> None:
+        self.direct = ControllerLink(controller, token)
+        self.relay = ControllerLink(relay, token)
+        self.relay_addr = relay
+        self._bad_until = 0.0
+        self.failures = 0  # relay attempts that fell back to the controller
+
+    def _use_relay(self, path: str) -> bool:
+        return path.startswith(self.ROUTED) and time.monotonic() >= self._bad_until
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+    ) -> dict[str, Any]:
+        if self._use_relay(path):
+            poll = path.startswith("/v1/desired")
+            try:
+                reply = self.relay.request(
+                    method, path, body, timeout_s if poll else min(timeout_s, RELAY_TIMEOUT_S)
+                )
+                age = reply.get("upstream_age_s")
+                if age is None or float(age) > RELAY_STALE_S:
+                    raise OSError(f"relay {self.relay_addr} has no fresh controller contact")
+                return reply
+            except HTTPStatusError as e:
+                if e.code == 400:  # the report itself is refused: the controller would too
+                    raise
+                self._failed(e)
+            except (OSError, ValueError) as e:
+                self._failed(e)
+        return self.direct.request(method, path, body, timeout_s)
+
+    def _failed(self, e: BaseException) -> None:
+        self.failures += 1
+        self._bad_until = time.monotonic() + RELAY_RETRY_S
+        self.relay.close()
+        log.warning("relay %s failed (%s): reporting directly to the controller for %gs",
+                    self.relay_addr, e, RELAY_RETRY_S)  # fmt: skip
+
+    def close(self) -> None:
+        self.direct.close()
+        self.relay.close()

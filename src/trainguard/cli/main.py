@@ -191,6 +191,23 @@ def _agent_parser(a: argparse.ArgumentParser) -> None:
         help="without controller contact this long: stop workers, free slots, exit 3 (default 600)",
     )
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    a.add_argument(
+        "--relay",
+        default=None,
+        metavar="HOST:PORT",
+        help="report through this relay (trainguard relay, one per rack); directly to the "
+        "controller while it does not answer",
+    )
+
+
+def _relay_parser(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--controller", required=True, metavar="HOST:PORT")
+    a.add_argument("--token-file", type=Path, required=True, help="the job token (RUN_DIR/token)")
+    a.add_argument("--bind", default="0.0.0.0:0", metavar="HOST:PORT",
+                   help="where its agents reach it (port 0: any free one, printed)")  # fmt: skip
+    a.add_argument("--relay-id", default=None, help="its name in events (default: the hostname)")
+    a.add_argument("--flush", type=float, default=0.25, metavar="SECONDS",
+                   help="period of the alive summaries sent to the controller (default 0.25)")  # fmt: skip
 
 
 def _check_parser(h: argparse.ArgumentParser) -> None:
@@ -274,6 +291,9 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("controller", help="run a job's controller for agents on other hosts")
     _add_job_flags(k, multi_host=True, extra=_controller_flags)
     _agent_parser(sub.add_parser("agent", help="run a node agent (one per host)"))
+    _relay_parser(
+        sub.add_parser("relay", help="run a relay: a rack's agents report through it (at scale)")
+    )
     _check_parser(
         sub.add_parser("check", help="pre-flight node checks: host, GEMM, collectives, training")
     )
@@ -288,6 +308,20 @@ def _parser() -> argparse.ArgumentParser:
 # as it ends any Unix filter. Long-running ones (run, controller, agent, check) keep Python's
 # SIGPIPE-ignored default, so a closed socket is an error they handle, never their death.
 _PRINTING = frozenset({"status", "events", "report", "ckpt"})
+
+
+def _token(path: Path) -> str:
+    """The job token in ``path``. Raises ValueError naming the file if it holds none."""
+    token = path.read_text().strip()
+    try:
+        if len(bytes.fromhex(token)) < 8:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"--token-file {path}: not a trainguard job token; pass the token file the "
+            "controller wrote (RUN_DIR/token)"
+        ) from None
+    return token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,19 +345,23 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.cli.status import status_command
 
             return status_command(args)
+        if args.cmd == "relay":
+            from trainguard.relay.server import main as relay_main
+
+            if args.flush <= 0:
+                raise ValueError(f"--flush {args.flush}: a period in seconds, > 0")
+            return relay_main(
+                controller=args.controller,
+                token=_token(args.token_file),
+                relay_id=args.relay_id or socket.gethostname().split(".")[0],
+                bind=args.bind,
+                flush_s=args.flush,
+            )
         if args.cmd == "agent":
             from trainguard.agent.agent import AgentConfig
             from trainguard.agent.agent import main as agent_main
 
-            token = args.token_file.read_text().strip()
-            try:
-                if len(bytes.fromhex(token)) < 8:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(
-                    f"--token-file {args.token_file}: not a trainguard job token; pass the "
-                    "token file the controller wrote (RUN_DIR/token)"
-                ) from None
+            token = _token(args.token_file)
             return agent_main(
                 AgentConfig(
                     controller=args.controller,
@@ -333,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_dir=args.run_dir,
                     exit_with_parent=args.exit_with_parent,
                     give_up_s=args.give_up_after if args.give_up_after > 0 else None,
+                    relay=args.relay,
                 )
             )
         if args.cmd == "chaos":

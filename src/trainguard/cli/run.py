@@ -148,7 +148,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
     # Timing that scales with the job unless the config sets it (config.scaled_timing).
     timeouts = fields.setdefault("timeouts", {})
     heartbeat, node_timeout = scaled_timing(
-        int(fields.get("nodes", 1)) + int(fields.get("standby", 0))
+        int(fields.get("nodes", 1)) + int(fields.get("standby", 0)), int(fields.get("relays", 0))
     )
     timeouts.setdefault("heartbeat_s", heartbeat)
     timeouts.setdefault("node_timeout_s", max(node_timeout, 2.5 * float(timeouts["heartbeat_s"])))

@@ -66,6 +66,36 @@ class Pool(enum.StrEnum):
 # A worker as its agent last reported it: the report's own type (one definition).
 WorkerObs = WorkerReport
 
+NO_STEP = -(2**63)  # ``NodeSummary.max_step`` of a node none of whose workers reported a step
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class NodeSummary:
+    """One node's workers in a few numbers (``summary.summarize``), so that a decision tick
+    reads nodes, not workers. Counts are of workers; "running" ones are those in state
+    ``running``. Ages are seconds, as the agent measured them (``WorkerReport``).
+
+    ``quiet``: nothing a tick must look at on this node while its generation runs: it is not
+    hung, not fenced for its generation, and it has workers, every one running with the
+    runtime. ``max_step``: the newest step of the node's generation, its workers' or
+    ``steps_seen``'s. ``calm``: (the node's generation when quiet, else None; ``workers``;
+    ``max_step``), what a tick reads of every node of a running job, in one tuple. ``idle_min_s``: the least idle time of a running worker (``summary.idle_s``:
+    since its last step with the runtime, else since its processes used CPU; inf when none
+    runs); ``cpu_idle_min_s``: the least ``cpu_idle_s`` of a running worker (-inf when one
+    has none, inf when none runs)."""
+
+    workers: int = 0
+    running: int = 0
+    succeeded: int = 0
+    failed: int = 0  # failed or parked (in process): the ones fault detection reads
+    runtime_running: int = 0  # running with the runtime
+    max_step: int = NO_STEP  # NO_STEP: none
+    in_trainguard: bool = False  # a running worker waits inside trainguard
+    idle_min_s: float = float("inf")
+    cpu_idle_min_s: float = float("inf")
+    quiet: bool = False
+    calm: tuple[int | None, int, int] = (None, 0, NO_STEP)
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class NodeObs:
@@ -99,6 +129,10 @@ class NodeObs:
     # decisions run on a coalesced tick, and a report after a stop lists no workers); the
     # newest STEPS_SEEN_GENERATIONS generations only, so memory per node stays bounded.
     steps_seen: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Its workers in a few numbers (``summary.summarize``; ``observe`` makes it): whoever
+    # changes ``workers`` or the node's fields in place calls ``summarize`` again. None: not
+    # made (an observation built by hand); readers then compute it (``summary.summary_of``).
+    summary: NodeSummary | None = None
 
 
 STEPS_SEEN_GENERATIONS = 4

@@ -33,6 +33,11 @@ StragglerAction = Literal["alert", "replace"]
 ArchiveCompress = Literal["auto", "off", "zstd", "zstd+shuf4", "zstd+shuf2"]
 
 REPORTS_PER_S = 1000.0  # the agents' report rate the controller is sized for (see below)
+# With relays: the agents' report rate the relays of one machine are sized for; the controller
+# then takes a few uplinks a second per relay (benchmarks/controller_scale.py --relays).
+RELAYED_REPORTS_PER_S = 8192.0
+RELAYED_HEARTBEAT_MAX_S = 2.0  # issue 31: a heartbeat of at most 2 s at any size
+RELAYED_HEARTBEAT_MIN_S = 1.0  # a job big enough for relays needs no faster one
 
 
 def split_host_port(addr: str) -> tuple[str, str]:
@@ -44,15 +49,24 @@ def split_host_port(addr: str) -> tuple[str, str]:
 MAX_NODES = 1 << 20  # far past any job's size; keeps the scaled heartbeat finite and sane
 
 
-def scaled_timing(nodes: int) -> tuple[float, float]:
+def scaled_timing(nodes: int, relays: int = 0) -> tuple[float, float]:
     """(heartbeat_s, node_timeout_s) for a job of ``nodes`` agents, used unless the config
-    sets them: the heartbeat keeps the controller's report rate at about ``REPORTS_PER_S``
-    (0.5 s up to 500 nodes, then nodes / 1000 s: 4.1 s at 4,096, 16.4 s at 16,384), and a
-    node is lost after 5 missed heartbeats (at least 10 s). A worker's crash is reported at
-    once whatever the heartbeat (the agent reports an exit immediately); the heartbeat bounds
-    only how fast a silent node (power, network) is found. Measured in
-    ``benchmarks/controller_scale.py``."""
-    heartbeat = max(0.5, nodes / REPORTS_PER_S)
+    sets them, and a node is lost after 5 missed heartbeats (at least 10 s).
+
+    Agents reporting directly (``relays`` 0): the heartbeat keeps the controller's report rate
+    at about ``REPORTS_PER_S`` (0.5 s up to 500 nodes, then nodes / 1000 s: 4.1 s at 4,096,
+    16.4 s at 16,384). Through relays: the controller takes a few uplinks a second per relay
+    whatever the nodes, so the heartbeat is set by what the relays take, ``nodes /
+    RELAYED_REPORTS_PER_S`` between ``RELAYED_HEARTBEAT_MIN_S`` (1 s) and
+    ``RELAYED_HEARTBEAT_MAX_S`` (2 s at 16,384 nodes; node timeout 10 s). A worker's crash is reported at once whatever the heartbeat
+    (the agent reports an exit immediately); the heartbeat bounds only how fast a silent node
+    (power, network) is found. Measured in ``benchmarks/controller_scale.py``."""
+    if relays > 0:
+        heartbeat = min(
+            RELAYED_HEARTBEAT_MAX_S, max(RELAYED_HEARTBEAT_MIN_S, nodes / RELAYED_REPORTS_PER_S)
+        )
+    else:
+        heartbeat = max(0.5, nodes / REPORTS_PER_S)
     return round(heartbeat, 3), round(max(10.0, 5 * heartbeat), 3)
 
 
@@ -448,6 +462,11 @@ class JobConfig:
         "nodes; unset = not elastic",
     )
     standby: int = setting(0, "standby nodes kept to replace lost ones", flag="--standby")
+    relays: int = setting(
+        0,
+        "relays the agents report through (trainguard relay, one per rack); the heartbeat "
+        "then scales with what relays take, at most 2 s",
+    )
     nproc_per_node: int = setting(1, "workers per node", flag="--nproc-per-node")
     injects: tuple[InjectSpec, ...] = setting((), "fault drills", flag="--inject")
     timeouts: TimeoutsConfig = setting(factory=TimeoutsConfig, doc="deadlines and periods")
@@ -474,6 +493,7 @@ class JobConfig:
             f"--nodes {self.min_nodes}:{self.nodes}: need 1 <= MIN <= MAX",
         )
         _need(self.standby >= 0, f"--standby {self.standby}: must be >= 0")
+        _need(self.relays >= 0, f"relays = {self.relays}: must be >= 0 (0: agents report directly)")
         _need(self.nproc_per_node >= 1, f"--nproc-per-node {self.nproc_per_node}: must be >= 1")
         self._check_cold_tier()
         self._check_injects()

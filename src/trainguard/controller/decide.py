@@ -8,7 +8,8 @@ and events to record.
 Its parts, by concern: ``pools`` (pools and re-checks), ``detect`` (fault detection; where a
 node is declared lost), ``restore`` (restore point and replicas), ``policy`` (restart
 policy, replacement, planned stops, the next generation), ``desired`` (desired states);
-``jobstate`` holds the state, its inputs and its JSON form.
+``jobstate`` holds the state, its inputs and its JSON form; ``summary`` the node summaries
+and the nodes' deadlines a tick reads instead of every worker (issue 31).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from trainguard.controller.api import (
 )
 from trainguard.controller.config import JobConfig
 from trainguard.controller.desired import desired_for
-from trainguard.controller.detect import blame_lost_node, detect_fault, gen_workers, stuck_at_exit
+from trainguard.controller.detect import blame_lost_node, detect_fault, finished
 from trainguard.controller.inprocess import plan as inprocess_plan
 from trainguard.controller.inprocess import refine as inprocess_refine
 from trainguard.controller.jobstate import (
@@ -51,6 +52,7 @@ from trainguard.controller.pools import (
     world_of,
 )
 from trainguard.controller.sdc import check_fingerprints, check_suspected
+from trainguard.controller.summary import NO_STEP, GenView, Liveness, LiveTick, gen_view
 
 __all__ = ["JobState", "decide", "desired_for"]
 
@@ -62,10 +64,13 @@ def decide(
     cfg: JobConfig,
     durable: list[tuple[int, int]],
     inputs: Inputs | None = None,
+    live: Liveness | None = None,
 ) -> tuple[JobState, list[Event]]:
     """One step of the state machine, the only writer of the job state. ``durable``: verified
     committed (step, generation) pairs; the memory tier comes from the agents' reports
-    (``NodeObs.memory``); ``inputs``: what else happened since the last step (``Inputs``).
+    (``NodeObs.memory``); ``inputs``: what else happened since the last step (``Inputs``);
+    ``live``: the deadlines of ``obs``'s nodes (``summary.Liveness``, kept by the intake), so
+    that the nodes not alive are not found by a scan; without it, they are (the same answer).
 
     Returns the new state (``s0`` is not modified) and the events to record.
     """
@@ -73,11 +78,13 @@ def decide(
     events: list[Event] = []
     if inputs is not None:
         fold_inputs(s, inputs, events)
-    update_pools(s, obs, now, cfg, events)
+    tick = live.at(obs, now) if live is not None else None  # who is not alive: once a tick
+    update_pools(s, obs, now, cfg, events, tick)
     for node, why in (inputs.quarantine if inputs is not None else {}).items():
         if s.pools.get(node) == Pool.STANDBY:  # at risk: never the replacement of a lost node
             mark_faulty(s, node, now, cfg, events, why)
-    _fold_steps(s, obs)
+    view = gen_view(s, obs)  # the generation's workers, read from the node summaries
+    _fold_steps(s, view)
     if s.phase == Phase.RUNNING and inputs is not None and inputs.fingerprints:
         standby = bool(healthy_standby(s, obs, now, cfg))
         sdc = check_fingerprints(s, inputs.fingerprints, now, cfg, events, standby)
@@ -101,7 +108,9 @@ def decide(
     # One handler per phase; a phase one handler enters is handled in the same step when
     # its handler comes later (STOPPING → CLEANING → REPLACING: a fast recovery takes one).
     handler = _HANDLERS.get(s.phase)
-    if handler is not None:
+    if s.phase in ACTIVE_PHASES:
+        _active(s, obs, now, cfg, events, tick, view)
+    elif handler is not None:
         handler(s, obs, now, cfg, events, durable)
     if s.phase == Phase.CLEANING:
         _cleaning(s, obs, now, cfg, events, durable)
@@ -110,18 +119,12 @@ def decide(
     return s, events
 
 
-def _fold_steps(s: JobState, obs: dict[str, NodeObs]) -> None:
-    """``s.max_step`` of the current generation from the assigned nodes' reports."""
-    gen = s.generation
-    for n in s.assignment:
-        o = obs.get(n)
-        if o is None:
-            continue
-        steps = [o.steps_seen[gen]] if gen in o.steps_seen else []
-        if o.generation == gen:
-            steps += [w.step for w in o.workers.values() if w.step is not None]
-        if steps:
-            s.max_step[gen] = max(s.max_step.get(gen, 0), *steps)
+def _fold_steps(s: JobState, v: GenView) -> None:
+    """``s.max_step`` of the current generation from the assigned nodes' reports: the newest
+    step ``v`` saw (their workers' and ``steps_seen``)."""
+    if v.max_step != NO_STEP:
+        gen = s.generation
+        s.max_step[gen] = max(s.max_step.get(gen, 0), v.max_step)
 
 
 def _pending(
@@ -188,24 +191,21 @@ def _active(
     now: float,
     cfg: JobConfig,
     events: list[Event],
-    durable: list[tuple[int, int]],
+    live: LiveTick | None,
+    v: GenView,
 ) -> None:
     """RENDEZVOUS and RUNNING: take the store's port, detect a fault (→ FAULTED, STOPPING),
     the end (SUCCEEDED, or FAILED when ranks exited 0 early), every rank up (→ RUNNING), or a
-    planned stop (a straggler's eviction, elastic growth)."""
+    planned stop (a straggler's eviction, elastic growth). ``v``: ``gen_view(s, obs)``."""
     gen = s.generation
     master = next(n for n, r in s.assignment.items() if r == 0)
     store = obs[master].store if master in obs else None
     if s.master_port is None and store is not None and store[0] == gen:
         s.master_port = store[1]
-    both = gen_workers(s, obs)
-    fault = detect_fault(s, obs, now, cfg, both)
-    workers = [w for _, w in both]
+    fault = detect_fault(s, obs, now, cfg, live=live, view=v)
     if fault is not None:
         _faulted(s, fault, now, events, obs, cfg)
-    elif len(workers) == world_of(s, cfg) and all(
-        w.state == "succeeded" or stuck_at_exit(w, workers, cfg, events, gen) for w in workers
-    ):
+    elif (workers := finished(s, obs, cfg, events, v)) is not None:
         done = s.restore_step or 0  # a generation that restored the last step runs none
         short = [
             w
@@ -230,8 +230,8 @@ def _active(
             goto(s, Phase.SUCCEEDED, now, events, s.reason)
     elif (
         s.phase == Phase.RENDEZVOUS
-        and len(workers) == world_of(s, cfg)
-        and all(w.state in ("running", "succeeded") for w in workers)
+        and v.count == world_of(s, cfg)
+        and v.running + v.succeeded == v.count
     ):
         goto(s, Phase.RUNNING, now, events, f"all {world_of(s, cfg)} ranks running")
     elif s.phase == Phase.RUNNING and s.evict:
@@ -330,9 +330,8 @@ def _cleaning(
             apply_policy(s, obs, now, cfg, events, durable)
 
 
+# RENDEZVOUS and RUNNING: ``_active`` (it reads the generation's view as well).
 _HANDLERS = {
     Phase.PENDING: _pending,
-    Phase.RENDEZVOUS: _active,
-    Phase.RUNNING: _active,
     Phase.STOPPING: _stopping,
 }

@@ -16,6 +16,9 @@ controller's store; without a dashboard they answer 404.)
                         desired state is newer than V, or after S seconds (max 30)
 - ``GET  /v1/status``   job phase, pools (the seed's five lists), generation, recoveries, and
                         each node's last report (address, age, generation, workers' steps)
+- ``POST /v1/relay``    a relay's uplink: its nodes' changed reports and alive entries
+                        (``protocol/relay.py``); answers its nodes' new desired states
+- ``GET  /v1/relay/desired``  a relay's long poll: ``?relay=ID&since=S&wait_s=W``
 - ``POST /v1/stop``     request a clean stop of the job
 - ``GET  /metrics``     Prometheus metrics (steps, step/compute/communication seconds and
                         straggler score per rank, alerts, phase, pools)
@@ -45,6 +48,7 @@ from trainguard.controller.jobstate import pool_lists, state_json
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
 from trainguard.protocol import clock
+from trainguard.protocol import relay as relay_wire
 
 if TYPE_CHECKING:
     from trainguard.controller.server import Controller
@@ -83,6 +87,8 @@ class HttpApi:
         app.add_routes(
             [
                 web.post("/v1/report", self._report),
+                web.post("/v1/relay", self._relay),
+                web.get("/v1/relay/desired", self._relay_desired),
                 web.get("/v1/desired", self._get_desired),
                 web.get("/v1/status", self._status),
                 web.post("/v1/stop", self._stop),
@@ -131,13 +137,15 @@ class HttpApi:
                 request.remote,
             )
             return web.json_response({"error": "missing or wrong job token"}, status=401)
-        if request.path != "/v1/report":
+        timed = {"/v1/report": self.ctl.monitor.h_report, "/v1/relay": self.ctl.monitor.h_uplink}
+        hist = timed.get(request.path)
+        if hist is None:
             return await handler(request)
         t0 = time.perf_counter()
         try:
             return await handler(request)
         finally:
-            self.ctl.monitor.h_report.observe(time.perf_counter() - t0)
+            hist.observe(time.perf_counter() - t0)
 
     async def _report(self, request: web.Request) -> web.Response:
         """Take one agent report: validated (400 with the reason when it does not follow the
@@ -152,32 +160,50 @@ class HttpApi:
             log.warning("refused a malformed report from %s: %s", request.remote, e)
             return web.json_response({"error": f"malformed report: {e}"}, status=400)
         node_id = report.node_id
-        old = self.ctl.obs.get(node_id)
-        if (
-            old is not None
-            and old.incarnation != report.incarnation
-            and clock.wall() - old.last_seen < 2 * self.ctl.cfg.timeouts.heartbeat_s + 0.5
-        ):
-            # Another agent still reports under this node id (a rebooted node's old agent has
-            # stopped reporting by now): two hosts share a name.
-            log.warning("refused a second live agent for node %s from %s", node_id, report.addr)
-            return web.json_response(
-                {
-                    "error": f"node id {node_id} is in use by a live agent at {old.addr}; "
-                    "give each host its own --node-id"
-                },
-                status=409,
-            )
+        clash = self.ctl.clash(report)
+        if clash is not None:
+            return web.json_response({"error": clash}, status=409)
         try:
             self.ctl.ingest(report)
         except (KeyError, TypeError, ValueError) as e:  # a shape report_from_json let through
             log.warning("refused a report of %s: %s: %s", node_id, type(e).__name__, e)
             return web.json_response({"error": f"malformed report: {e!r}"}, status=400)
+        self.ctl.relays.through(node_id, None)  # it reports directly now
         version, desired = self.ctl.desired.get(node_id, (0, protocol.Idle()))
         if report.desired_version == version:  # the agent has it: no body to send
             return web.json_response(protocol.reply_to_json(protocol.DesiredReply(version=version)))
         reply = protocol.DesiredReply(version=version, desired=desired)
         return web.json_response(protocol.reply_to_json(reply))
+
+    async def _relay(self, request: web.Request) -> web.Response:
+        """A relay's uplink (``protocol/relay.py``): its whole reports and alive entries, taken
+        as reports are (``Controller.relay_uplink``); answered with its nodes' new desired
+        states. 400 for a body that is not an uplink; a report inside it that would get 400 or
+        409 alone is named in the answer's ``refused`` and the rest is taken."""
+        try:
+            body = relay_wire.check_uplink(await request.json(loads=protocol.loads))
+        except ValueError as e:
+            log.warning("refused a malformed relay uplink from %s: %s", request.remote, e)
+            return web.json_response({"error": f"malformed relay uplink: {e}"}, status=400)
+        return web.json_response(self.ctl.relay_uplink(body))
+
+    async def _relay_desired(self, request: web.Request) -> web.Response:
+        """Long poll of a relay: ``?relay=ID&since=S&wait_s=W`` returns once a desired state of
+        one of its nodes changed after ``S`` (the answer's ``seq``), or after W s (max 30)."""
+        rid = request.query.get("relay", "")
+        try:
+            since = int(request.query.get("since", "0"))
+            wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
+        except ValueError:
+            return web.json_response({"error": "since and wait_s: numbers"}, status=400)
+
+        def newer() -> bool:
+            return self.ctl.closing or bool(self.ctl.relays.newer(rid, since))
+
+        async with self.ctl.changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctl.changed.wait_for(newer), timeout=wait_s)
+        return web.json_response(self.ctl.relay_desired(rid, since))
 
     async def _get_desired(self, request: web.Request) -> web.Response:
         node_id = request.query.get("node", "")

@@ -24,6 +24,7 @@ from trainguard.controller.jobstate import Inputs, JobState
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.pools import world_of
 from trainguard.controller.store import Store
+from trainguard.controller.summary import Liveness, summarize
 from trainguard.health.coordinator import Preflight
 from trainguard.protocol import AgentReport, ProtocolError, ReportEvent, StepBatch, StepRecord
 
@@ -33,7 +34,7 @@ log = logging.getLogger("trainguard.controller")
 def observe(node_id: str, r: AgentReport, old: NodeObs | None, now: float) -> NodeObs:
     """Node ``node_id``'s observation from its report ``r`` received at ``now`` (controller
     wall clock, s). ``old``: its previous observation; the newest step per generation carries
-    over (``fold_steps``)."""
+    over (``fold_steps``). Its workers are summarized (``summary.summarize``)."""
     o = NodeObs(
         node_id=node_id,
         addr=r.addr,
@@ -57,6 +58,7 @@ def observe(node_id: str, r: AgentReport, old: NodeObs | None, now: float) -> No
         clock_skew_s=round(r.time - now, 3) if r.time is not None else None,
     )
     o.steps_seen = fold_steps(old, o, r.steps)
+    summarize(o)
     return o
 
 
@@ -97,7 +99,8 @@ class Intake:
     """Takes every report (``take``) into ``obs`` and the ``Inputs`` it is handed, recording
     events and step records in ``store`` and metrics in ``monitor``. ``preflight``: the
     pre-flight coordinator, when one runs (it gets the check results); ``seen``: called with
-    (node, now) for each report (the pre-flight driver's liveness)."""
+    (node, now) for each report (the pre-flight driver's liveness). ``liveness``: the nodes'
+    deadlines (``summary.Liveness``), kept with ``obs``, for ``decide``."""
 
     def __init__(
         self,
@@ -110,6 +113,7 @@ class Intake:
         self.cfg, self.store, self.monitor = cfg, store, monitor
         self._preflight, self._seen = preflight, seen
         self.obs: dict[str, NodeObs] = {}
+        self.liveness = Liveness(cfg.timeouts.node_timeout_s)
         self.milestones = Milestones()
         self.fingerprints = FingerprintIndex()
         self.detectors: list[Detector] = detectors(cfg, monitor)
@@ -122,6 +126,7 @@ class Intake:
         detectors' findings, each recorded already (and alerted where it says so)."""
         old = self.obs.get(r.node_id)
         new = self.obs[r.node_id] = observe(r.node_id, r, old, now)
+        self.liveness.track(new)
         self.fingerprints.add(r.ckptd.fingerprints)
         self._seen(r.node_id, now)
         pf = self._preflight()

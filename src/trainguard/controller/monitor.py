@@ -86,6 +86,13 @@ class Monitor:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
             registry=r,
         )
+        self.h_uplink = Histogram(
+            "trainguard_relay_uplink_seconds",
+            "Time the controller spent on one relay uplink (its whole reports and alive "
+            "entries), from its handler's start to the answer",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
         self.h_tick = Histogram(
             "trainguard_tick_seconds",
             "Duration of one coalesced decision tick (decide and desired states)",

@@ -1,6 +1,10 @@
 """Node pools (the seed's lists): admission after pre-flight, quarantine (faulty) and its
 re-checks with back-off, retirement, and the node queries the state machine asks: is a
-node alive, rebooted, a healthy standby; how many ranks the generation has. Pure."""
+node alive, rebooted, a healthy standby; how many ranks the generation has. Pure.
+
+Each tick, ``update_pools`` looks at the nodes whose pool may change: with the nodes'
+deadlines (``summary.Liveness``) these are found without a scan or sort of every node
+(issue 31: 16,384 nodes)."""
 
 from __future__ import annotations
 
@@ -14,16 +18,33 @@ from trainguard.controller.jobstate import (
     JobState,
     held_out,
 )
+from trainguard.controller.summary import LiveTick
 
 
 def is_alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
+    """A report of the node arrived within ``node_timeout_s`` (config) before ``now``."""
     return now - o.last_seen <= cfg.timeouts.node_timeout_s
 
 
 def update_pools(
-    s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig, events: list[Event]
+    s: JobState,
+    obs: dict[str, NodeObs],
+    now: float,
+    cfg: JobConfig,
+    events: list[Event],
+    live: LiveTick | None = None,
 ) -> None:
-    for node_id, o in sorted(obs.items(), key=lambda kv: kv[1].last_seen):
+    """The pools after the reports, node by node in the order the nodes were last seen: a new
+    node admitted (``_admit``), a quarantined one back and re-checked (``_recheck``), a
+    standby gone silent quarantined; each live node's agent incarnation recorded. ``live``:
+    the liveness of ``obs``'s nodes (``Liveness.at``): only the nodes whose pool or
+    incarnation may change are looked at (``_changed``); without it, every node is, sorted
+    (the same result)."""
+    if live is None or live.timeout_s != cfg.timeouts.node_timeout_s:
+        nodes = sorted(obs.items(), key=lambda kv: kv[1].last_seen)
+    else:
+        nodes = _changed(s, obs, live)
+    for node_id, o in nodes:
         alive = is_alive(o, now, cfg)
         pool = s.pools.get(node_id)
         if pool is None and alive:
@@ -37,6 +58,29 @@ def update_pools(
             mark_faulty(s, node_id, now, cfg, events, f"no heartbeat for {now - o.last_seen:.1f}s")
         if alive:
             s.incarnations[node_id] = o.incarnation
+
+
+def _changed(s: JobState, obs: dict[str, NodeObs], live: LiveTick) -> list[tuple[str, NodeObs]]:
+    """The nodes ``update_pools`` may change, in its order (by last seen, then as ``obs``
+    lists them): standbys not alive (``live.dead``), nodes without a pool, quarantined ones,
+    and, when an agent incarnation differs from the recorded one, those nodes. Every other
+    node is alive, pooled and not quarantined, with its incarnation recorded: nothing to do.
+    The membership checks run in C (dict views)."""
+    pools = s.pools
+    cand = {n for n in live.dead if pools.get(n) == Pool.STANDBY}
+    if not pools.keys() >= obs.keys():
+        cand.update(obs.keys() - pools.keys())
+    faulty = [n for n in s.recheck_at if pools.get(n) == Pool.FAULTY]
+    if len(faulty) != list(pools.values()).count(Pool.FAULTY):  # one without a re-check time
+        faulty = [n for n, p in pools.items() if p == Pool.FAULTY]
+    cand.update(n for n in faulty if n in obs)
+    if not live.index.incarnations_within(s.incarnations):
+        cand.update(n for n, o in obs.items() if s.incarnations.get(n) != o.incarnation)
+    nodes = sorted(((n, obs[n]) for n in cand), key=lambda kv: kv[1].last_seen)
+    if len({o.last_seen for _, o in nodes}) < len(nodes):  # ties: in obs's order, as a scan
+        pos = {n: i for i, n in enumerate(obs)}
+        nodes.sort(key=lambda kv: (kv[1].last_seen, pos[kv[0]]))
+    return nodes
 
 
 def _admit(s: JobState, o: NodeObs, now: float, cfg: JobConfig, events: list[Event]) -> None:

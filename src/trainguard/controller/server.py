@@ -37,11 +37,13 @@ from trainguard.controller.jobstate import (
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.policy import Reaction, react
 from trainguard.controller.pools import is_alive, world_of
+from trainguard.controller.relays import RelayBook, apply_alive, desired_batch
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
 from trainguard.protocol import clock
+from trainguard.protocol import relay as relay_wire
 
 log = logging.getLogger("trainguard.controller")
 Event = tuple[str, dict[str, Any]]
@@ -84,6 +86,10 @@ def _preflight(
         check_cfg or CheckConfig(**{"level": level, **cfg.preflight.checks}), store, ckpt_dir=cfg.ckpt_dir,
         shm_dir=cfg.checkpoint.shm_dir, injects=injects,
     )  # fmt: skip
+
+
+RELAY_UPLINKS_PER_S = 200.0  # relay uplinks a second the controller is sized for (issue 31)
+RELAY_FLUSH_MIN_S = 0.25  # the shortest uplink period a relay is told
 
 
 class Controller:
@@ -157,6 +163,7 @@ class Controller:
         self.preflight = _preflight(cfg, store, check_only, check_cfg)
         self.intake = Intake(cfg, store, self.monitor, lambda: self.preflight, self._checking.seen)
         self.obs: dict[str, NodeObs] = self.intake.obs  # each node's latest observation
+        self.relays = RelayBook()  # relays, the nodes behind each (issue 31)
         self.cold_tier = (
             ColdTier(cfg, store, self.monitor)
             if cfg.archive.archive_urls and not check_only
@@ -289,6 +296,87 @@ class Controller:
             self.monitor.alert(kind, data)
             log.warning("%s: %s", kind, data)
 
+    def clash(self, report: protocol.AgentReport) -> str | None:
+        """Why ``report`` is refused (409) though well formed: another agent still reports
+        under its node id (a rebooted node's old agent has stopped reporting by now: two
+        hosts share a name); None if it may be taken."""
+        old = self.obs.get(report.node_id)
+        if (
+            old is not None
+            and old.incarnation != report.incarnation
+            and clock.wall() - old.last_seen < 2 * self.cfg.timeouts.heartbeat_s + 0.5
+        ):
+            log.warning(
+                "refused a second live agent for node %s from %s", report.node_id, report.addr
+            )
+            return (
+                f"node id {report.node_id} is in use by a live agent at {old.addr}; "
+                "give each host its own --node-id"
+            )
+        return None
+
+    def relay_uplink(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One relay uplink (checked by ``protocol.relay.check_uplink``): each whole report
+        taken as a direct one is (``ingest``), each alive entry folded into its node's
+        observation (``relays.apply_alive``). Answers ``seq``, the relay's nodes' desired
+        states newer than its ``since``, ``resend`` (nodes this controller has no current
+        observation of: their next report must come whole) and ``refused`` (node → why)."""
+        now = clock.wall()
+        rid = str(body["relay"])
+        if self.relays.seen(rid, str(body["addr"]), now):
+            self.store.record("relay_joined", {"relay": rid, "addr": body["addr"]})
+        refused: dict[str, str] = {}
+        for raw in body.get("reports", []):
+            node = str(raw.get("node_id")) if isinstance(raw, dict) else "?"
+            try:
+                report = protocol.report_from_json(raw)
+                why = self.clash(report)
+                if why is None:
+                    self.ingest(report)
+                    self.relays.through(report.node_id, rid)
+            except (KeyError, TypeError, ValueError) as e:
+                why = f"malformed report: {e}"
+            if why is not None:
+                refused[node] = why
+        resend = []
+        for raw in body.get("alive", []):
+            try:
+                entry = relay_wire.check_alive(raw)
+                o = self.obs.get(entry[0])
+                # No observation, another incarnation, or reports that came another way since
+                # this relay's last whole one: an alive entry would refresh the wrong shape.
+                if (
+                    o is None
+                    or o.incarnation != entry[1]
+                    or self.relays.route.get(o.node_id) != rid
+                ):
+                    resend.append(entry[0])
+                    continue
+                apply_alive(o, entry, now)
+            except (KeyError, TypeError, ValueError) as e:
+                refused[str(raw[0]) if isinstance(raw, list) and raw else "?"] = str(e)
+                continue
+            self._checking.seen(o.node_id, o.last_seen)
+        if refused:
+            log.warning("relay %s: refused %d node report(s), e.g. %s", rid, len(refused),
+                        next(iter(refused.items())))  # fmt: skip
+        return {**self.relay_desired(rid, int(body.get("since", 0))), "resend": resend,
+                "refused": refused, "flush_s": self._relay_flush_s()}  # fmt: skip
+
+    def _relay_flush_s(self) -> float:
+        """The uplink period relays are told: ``RELAY_UPLINKS_PER_S`` uplinks a second reach
+        this controller whatever the number of relays, at least ``RELAY_FLUSH_MIN_S`` and at
+        most half a heartbeat apart (alive entries carry their age: the period delays the
+        news, never the judged time)."""
+        live = sum(1 for r in self.relays.relays.values() if not r.lost)
+        hb = self.cfg.timeouts.heartbeat_s
+        return round(min(max(hb / 2, RELAY_FLUSH_MIN_S),
+                         max(RELAY_FLUSH_MIN_S, live / RELAY_UPLINKS_PER_S)), 3)  # fmt: skip
+
+    def relay_desired(self, relay: str, since: int) -> dict[str, Any]:
+        """``seq`` and the desired states of ``relay``'s nodes changed after ``since``."""
+        return desired_batch(self.relays, relay, since, self.desired, protocol.desired_to_json)
+
     # ------------------------------------------------------------------ tick
     def _durable(
         self, unusable: list[list[int]]
@@ -344,6 +432,13 @@ class Controller:
         then ``decide`` (with the durable tier's scan and the desired states it changes, in a
         worker thread over a snapshot of the observations, so reports are answered while it
         runs), then its effects: events recorded, state persisted, long polls woken."""
+        # A relay sends an uplink every quarter second or so; silent for two heartbeats, it
+        # is said lost (its agents report directly meanwhile: agent/link.py RoutedLink).
+        for rid in self.relays.lost(clock.wall(), max(2.0, 2 * self.cfg.timeouts.heartbeat_s)):
+            info = self.relays.relays[rid]
+            self.store.record("relay_lost", {"relay": rid, "addr": info.addr,
+                                             "silent_s": round(clock.wall() - info.last_seen, 2)})  # fmt: skip
+            log.warning("relay %s (%s) fell silent; its nodes report directly", rid, info.addr)
         if not self._gate():
             return
         t0 = time.perf_counter()
@@ -409,7 +504,7 @@ class Controller:
         unusable = s.unusable + [list(p) for p in inputs.unusable]
         ckpt, events, agreed = self._durable(unusable) if needs_ckpt else ([], [], [])
         inputs.agreed += agreed  # this tick's own inputs (merged back if the tick fails)
-        new, decided = decide(s, obs, clock.wall(), self.cfg, ckpt, inputs)
+        new, decided = decide(s, obs, clock.wall(), self.cfg, ckpt, inputs, self.intake.liveness)
         return new, events + decided, self._wants(new, obs, nodes)
 
     def _wants(
@@ -509,6 +604,7 @@ class Controller:
             version, have = self.desired.get(node_id, (self._version_base, None))
             if want != have:
                 self.desired[node_id] = (version + 1, want)
+                self.relays.changed(node_id)
                 changed = True
         if changed:
             asyncio.get_running_loop().create_task(self._notify())
