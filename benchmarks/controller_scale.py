@@ -68,6 +68,7 @@ from node_recovery import wait_until  # beside this file
 
 from trainguard.agent.link import RELAY_RETRY_S, RELAY_STALE_S, RELAY_TIMEOUT_S, backoff_after
 from trainguard.controller.config import scaled_timing
+from trainguard.runtime import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"
@@ -111,6 +112,48 @@ def _sim(
     relay_returned: list[float] = []  # the same after its relay was killed
 
     host, _, port = addr.rpartition(":")
+    key_bytes = bytes.fromhex(token)
+    acks: dict[str, asyncio.Future[dict[str, Any]]] = {}  # node → its pending alive ack
+    udp: dict[str, asyncio.DatagramTransport] = {}  # relay → a socket connected to it
+
+    class Acks(asyncio.DatagramProtocol):
+        """One relay's acks. A connected socket hears of a dead relay (ICMP port unreachable)
+        as the agent's does: each alive datagram waiting on it fails at once."""
+
+        def __init__(self, relay: str) -> None:
+            self.relay = relay
+
+        def datagram_received(self, data: bytes, _addr: tuple[str, int]) -> None:
+            with contextlib.suppress(ValueError):
+                ack = wire.decode(key_bytes, data)
+                fut = acks.pop(str(ack.get("node")), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(ack)
+
+        def error_received(self, exc: Exception) -> None:
+            for nid, fut in list(acks.items()):
+                if nid in waiting.get(self.relay, ()) and not fut.done():
+                    fut.set_exception(ConnectionRefusedError(f"relay {self.relay}: {exc}"))
+
+    waiting: dict[str, set[str]] = {}  # relay → nodes whose alive datagram awaits its ack
+
+    async def alive(nid: str, inc: str, workers: list[int], step: int, to: str) -> dict[str, Any]:
+        """As the agent's RoutedLink: an alive datagram to relay ``to``, its ack (2 s)."""
+        if to not in udp:
+            udp[to], _ = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: Acks(to), remote_addr=_host_port(to)
+            )
+        fut = asyncio.get_running_loop().create_future()
+        acks[nid] = fut
+        waiting.setdefault(to, set()).add(nid)
+        entry = [nid, inc, 0.0, [time.time(), None],
+                 [[r, step, 0.1, 0.1, None, None, None, None, None] for r in workers]]  # fmt: skip
+        udp[to].sendto(wire.encode(key_bytes, {"alive": entry, "seq": step}))
+        try:
+            return await asyncio.wait_for(fut, RELAY_TIMEOUT_S)
+        finally:
+            acks.pop(nid, None)
+            waiting[to].discard(nid)
 
     async def node(i: int) -> None:
         nid, inc = f"n{i}", f"inc{i}-{os.getpid()}"
@@ -118,6 +161,8 @@ def _sim(
         via = relays[i * len(relays) // total] if relays else None
         rconn = _Conn(*_host_port(via), token) if via else None
         bad_until, seen_relay_epoch = 0.0, 0.0
+        acked: tuple[Any, ...] | None = None  # the shape its relay took whole
+        timeouts = 0  # relay attempts in a row that timed out
         gen: int | None = None
         stopped, step, rank = -1, 0, 0
         action, version = "idle", 0
@@ -155,6 +200,29 @@ def _sim(
                     "store": [gen, 29500] if action == "run" and rank == 0 else None,
                 })  # fmt: skip
             t0, t_wall = time.monotonic(), time.time()
+            if routed and via is not None and acked == key:  # only counters moved: a datagram
+                try:
+                    ack = await alive(nid, inc, [rank * NPROC + k for k in range(NPROC)]
+                                      if running else [], step, via)  # fmt: skip
+                    age = ack.get("upstream_age_s")
+                    if age is None or float(age) > RELAY_STALE_S:
+                        raise OSError("the relay has no fresh controller contact")
+                except (OSError, TimeoutError) as e:  # as RoutedLink: a first timeout is
+                    if isinstance(e, TimeoutError) and not timeouts:  # retried (back-off)
+                        timeouts += 1
+                        await asyncio.sleep(0.1)
+                        continue
+                    bad_until, acked = time.monotonic() + RELAY_RETRY_S, None
+                    continue
+                timeouts = 0
+                if not ack.get("known") or int(ack.get("version", 0)) != version:
+                    acked = None  # its shape or a new desired state: the whole report, now
+                    continue
+                latencies.append((t_wall, time.monotonic() - t0))
+                if i == VICTIM:
+                    killed_at.value = time.time()
+                await asyncio.sleep(hb * random.uniform(0.9, 1.1))
+                continue
             body = template.replace(str(STEP_MARK), str(step)).replace(
                 repr(TIME_MARK), repr(t_wall)
             )
@@ -166,6 +234,7 @@ def _sim(
                                or float(reply["upstream_age_s"]) > RELAY_STALE_S):  # fmt: skip
                     raise OSError("the relay has no fresh controller contact")
                 latencies.append((t_wall, time.monotonic() - t0))
+                acked, timeouts = (key if routed else None), 0
                 if (relay_epoch.value and t_wall > relay_epoch.value
                         and seen_relay_epoch != relay_epoch.value):  # fmt: skip
                     seen_relay_epoch = relay_epoch.value
@@ -196,7 +265,11 @@ def _sim(
                 elif action == "shutdown":
                     conn.close()
                     return
-            except (OSError, EOFError, TimeoutError, ValueError, KeyError, IndexError):
+            except (OSError, EOFError, TimeoutError, ValueError, KeyError, IndexError) as e:
+                if routed and isinstance(e, TimeoutError) and not timeouts:
+                    timeouts += 1  # as RoutedLink: a first timeout is retried (back-off)
+                    await asyncio.sleep(0.1)
+                    continue
                 if routed:  # as RoutedLink: directly for RELAY_RETRY_S, at once
                     bad_until = time.monotonic() + RELAY_RETRY_S
                     continue
@@ -208,6 +281,8 @@ def _sim(
 
     async def main() -> None:
         await asyncio.gather(*(node(i) for i in nodes))
+        for transport in udp.values():
+            transport.close()
 
     asyncio.run(main())
     out.put((latencies, returned, relay_returned))
@@ -414,10 +489,18 @@ def measure(
             p.start()
             sims.append(p)
 
+        read = [0]  # how far events.jsonl was read: the join's thousands of events once each
+
         def running() -> bool:
             if not all(p.is_alive() for p in sims) or ctl.poll() is not None:
                 raise SystemExit("a simulator or the controller died; see the traceback above")
-            return any(e["kind"] == "phase" and e["to"] == "RUNNING" for e in _events(run))
+            with open(run / "events.jsonl", "rb") as f:
+                f.seek(read[0])
+                chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # complete lines only
+            read[0] += len(whole)
+            return any(e.get("kind") == "phase" and e.get("to") == "RUNNING"
+                       for e in map(json.loads, whole.splitlines()) if e)  # fmt: skip
 
         t_join = time.monotonic()
         wait_until(running, 600, f"{n} nodes to join and run")

@@ -382,20 +382,23 @@ async def _relay() -> Relay:
 
 
 def test_a_relay_without_fresh_controller_contact_forwards_nothing() -> None:
-    """Before its first answered uplink, and once the last is older than RELAY_STALE_S (it
-    was frozen, or the controller is unreachable), the relay's answer makes the agent send
-    the report to the controller itself (agent/link.py): the relay must not forward it too
-    (its events twice, its state late), nor make an alive entry of it."""
+    """Once its last answered uplink (or, before the first, its start) is older than
+    RELAY_STALE_S (it was frozen, or the controller is unreachable), the relay's answer makes
+    the agent send the report to the controller itself (agent/link.py): the relay must not
+    forward it too (its events twice, its state late), nor make an alive entry of it. A
+    relay just started is not cut off: its first reports are forwarded."""
 
     async def go() -> None:
         relay = _bare()
+        relay.upstream_ok = time.monotonic() - RELAY_STALE_S - 1.0  # started, never answered
         reply = relay.take(agent_report("node0", events=[{"kind": "x", "ts": T0}]))
-        assert reply == {"version": 0, "upstream_age_s": None}
+        assert reply["version"] == 0 and reply["upstream_age_s"] > RELAY_STALE_S
         assert relay.uplink_body()["reports"] == [] and relay.uplink_body()["alive"] == []
+        assert _bare().take(agent_report("node1"))["upstream_age_s"] < RELAY_STALE_S
         await relay.apply({"seq": 1, "desired": {"node0": {"version": 2, "desired": {}}}})
         relay.take(agent_report("node0"))
         relay.uplink_body()
-        relay.upstream_ok = time.monotonic() - RELAY_STALE_S - 1.0  # its last contact, 4 s ago
+        relay.upstream_ok = time.monotonic() - RELAY_STALE_S - 1.0  # its last contact, long ago
         for late in (
             agent_report("node0", steps=(50, 51)),
             agent_report("node0", events=[{"kind": "z"}]),

@@ -762,7 +762,12 @@ class Agent:
         are kept for the next report."""
         snap = self._snapshot()
         try:
-            reply = self._request("POST", "/v1/report", protocol.report_to_json(snap), timeout_s)
+            body = protocol.report_to_json(snap)
+            reply = (  # through a relay: an alive datagram when only counters moved
+                self._link.report(body, timeout_s)
+                if isinstance(self._link, RoutedLink)
+                else self._request("POST", "/v1/report", body, timeout_s)
+            )
             self._accept(reply)
             self._refused_since = None
             # Through a relay: its own last exchange with the controller is the contact.

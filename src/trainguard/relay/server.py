@@ -41,10 +41,13 @@ from trainguard.protocol.relay import (
     RELAY_PROTOCOL_VERSION,
     RELAY_STALE_S,
     WORKER_VOLATILE,
+    AliveEntry,
     alive_entry,
+    check_alive,
     shape_key,
 )
 from trainguard.protocol.report import _WORKER_FIELDS, _fits
+from trainguard.runtime import wire
 
 log = logging.getLogger("trainguard.relay")
 URGENT_S = 0.01  # a whole report waits this long for others to share its uplink
@@ -78,13 +81,14 @@ class _Node:
     """One node as the relay holds it: its latest report, when it came (monotonic), the shape
     of the last report forwarded whole, whether its latest went in an uplink yet."""
 
-    __slots__ = ("report", "t", "key", "sent")
+    __slots__ = ("report", "t", "key", "sent", "alive")
 
     def __init__(self) -> None:
         self.report: dict[str, Any] = {}
         self.t = 0.0
         self.key: str | None = None
         self.sent = True
+        self.alive: AliveEntry | None = None  # its latest alive datagram's entry, if newer
 
 
 class Relay:
@@ -102,11 +106,14 @@ class Relay:
             flush_s,
         )
         self._auth = f"Bearer {token}".encode()
+        self._key = bytes.fromhex(token)  # signs the alive datagrams (runtime/wire.py)
         self._headers = {"Authorization": f"Bearer {token}"}
         self.nodes: dict[str, _Node] = {}
         self.desired: dict[str, tuple[int, dict[str, Any]]] = {}  # node → (version, JSON)
         self.since = 0  # the controller's desired-state sequence number last applied
-        self.upstream_ok = 0.0  # monotonic time of the last answered uplink (0: never)
+        # Monotonic time of the last answered uplink; its start until the first: a relay
+        # just started is not cut off yet (its agents stay), one never answered soon is.
+        self.upstream_ok = time.monotonic()
         # node → its whole report to forward: one per node, the newest, carrying the events
         # and step records of any older one not yet delivered (bounded by the nodes)
         self._pending: dict[str, dict[str, Any]] = {}
@@ -157,7 +164,7 @@ class Relay:
             self._urgent.set()
         else:  # the shape of a report checked whole already: its alive entry's fields left
             _check_volatile(body)
-        node.report, node.t, node.sent = body, time.monotonic(), whole
+        node.report, node.t, node.sent, node.alive = body, time.monotonic(), whole, None
         version, desired = self.desired.get(body["node_id"], (0, None))
         out: dict[str, Any] = {"version": version, "upstream_age_s": self.upstream_age()}
         if desired is not None and body.get("desired_version") != version:
@@ -175,6 +182,33 @@ class Relay:
             report = {**new, "events": [*(old.get("events") or []), *(new.get("events") or [])],
                       "steps": [*(old.get("steps") or []), *(new.get("steps") or [])]}  # fmt: skip
         self._pending[node] = report
+
+    def alive_datagram(self, data: bytes) -> bytes | None:
+        """One alive datagram (``protocol/relay.py``: ``{"alive": entry, "seq": n}``, signed
+        with the job token): taken as an HTTP report of an unchanged shape is, if the relay
+        holds the node's shape and has fresh controller contact. Returns the signed ack
+        (``{"node", "seq", "known", "version", "upstream_age_s"}``; ``known`` false: send the
+        next report whole), or None for a datagram that is not one (dropped unanswered)."""
+        try:
+            msg = wire.decode(self._key, data)
+            entry = check_alive(msg.get("alive"))
+        except ValueError:  # unauthenticated, not JSON, not an alive entry
+            return None
+        node = self.nodes.get(entry[0])
+        age = self.upstream_age()
+        known = (
+            node is not None
+            and node.key is not None
+            and node.report.get("incarnation") == entry[1]
+            and age is not None
+            and age <= RELAY_STALE_S
+        )
+        if known and node is not None:
+            node.alive, node.t, node.sent = entry, time.monotonic(), False
+        version = self.desired.get(entry[0], (0, None))[0]
+        ack = {"node": entry[0], "seq": msg.get("seq"), "known": known, "version": version,
+               "upstream_age_s": age}  # fmt: skip
+        return wire.encode(self._key, ack)
 
     async def _report(self, request: web.Request) -> web.Response:
         try:
@@ -210,7 +244,10 @@ class Relay:
         alive = []
         for n in self.nodes.values():
             if not n.sent:
-                alive.append(alive_entry(n.report, now - n.t))
+                if n.alive is not None:  # from a datagram: its own numbers, its age now
+                    alive.append([*n.alive[:2], round(now - n.t, 3), *n.alive[3:]])
+                else:
+                    alive.append(alive_entry(n.report, now - n.t))
                 n.sent = True
         reports = []
         for node in list(self._pending)[:UPLINK_REPORTS]:
@@ -302,6 +339,9 @@ class Relay:
         await web.TCPSite(runner, host, port, backlog=4096).start()
         bound = runner.addresses[0]
         self.addr = f"{bound[0]}:{bound[1]}"
+        udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _Datagrams(self), local_addr=(bound[0], bound[1])
+        )  # alive datagrams on the same port number, UDP
         print(f"relay listening on {self.addr}", flush=True)
         tasks = [asyncio.create_task(self.uplink_loop()), asyncio.create_task(self.desired_loop())]
         log.info("relay %s serving %s for controller %s", self.relay_id, self.addr, self.controller)
@@ -313,6 +353,23 @@ class Relay:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._session.close()
             await runner.cleanup()
+            udp.close()
+
+
+class _Datagrams(asyncio.DatagramProtocol):
+    """The relay's UDP socket: each alive datagram answered with its ack."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        ack = self.relay.alive_datagram(data)
+        if ack is not None and self.transport is not None:
+            self.transport.sendto(ack, addr)
 
 
 def main(*, controller: str, token: str, relay_id: str, bind: str, flush_s: float) -> int:
