@@ -40,6 +40,7 @@ from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.agent.group import Launcher, ProcessLauncher, WorkerGroup
 from trainguard.agent.inprocess import InProcessStops
 from trainguard.agent.link import (
+    RELAY_TIMEOUT_S,
     ControllerLink,
     HTTPStatusError,
     Link,
@@ -429,6 +430,8 @@ class Agent:
     def _start_generation(self, d: Run) -> None:
         gen = d.generation
         self._run_desired, self._hang = d, False
+        if isinstance(self._link, RoutedLink):  # two relay timeouts well within a node timeout
+            self._link.relay_timeout_s = min(RELAY_TIMEOUT_S, d.node_timeout_s / 5)
         self.probe.set_period(d.probe_every_s)
         ranks = []
         for local_rank in range(d.nproc_per_node):

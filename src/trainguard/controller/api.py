@@ -112,6 +112,7 @@ class NodeObs:
     health_ok: bool = True  # the agent's host checks (memory, disk, /dev/shm) pass
     health_problems: tuple[str, ...] = ()  # the host checks that fail
     clock_skew_s: float | None = None  # the agent's clock minus ours, at its last report
+    reported_at: float | None = None  # the agent's clock when it made that report (its time)
     stopped_generation: int = -1  # newest generation fully stopped and cleaned here
     stopped_at: float | None = None
     cleaned_at: float | None = None

@@ -56,6 +56,7 @@ def observe(node_id: str, r: AgentReport, old: NodeObs | None, now: float) -> No
         health_problems=r.health.problems,
         store=r.store,
         clock_skew_s=round(r.time - now, 3) if r.time is not None else None,
+        reported_at=r.time,
     )
     o.steps_seen = fold_steps(old, o, r.steps)
     summarize(o)

@@ -113,6 +113,8 @@ def apply_alive(o: NodeObs, entry: AliveEntry, now: float) -> None:
             o.clock_skew_s = round(float(t_time) - now + float(age), 3)
         if _ckptd_at is not None:
             o.ckptd_at = float(_ckptd_at)
+    if t_time is not None and (o.reported_at is None or t_time > o.reported_at):
+        o.reported_at = float(t_time)
     newest = None
     for target, vals in updates:
         for k, kind, v in zip(WORKER_VOLATILE, _KINDS, vals, strict=True):
@@ -143,3 +145,17 @@ def desired_batch(
             if n in desired
         },
     }
+
+
+def superseded(o: NodeObs | None, incarnation: str, t: float | None) -> bool:
+    """A relayed report made (agent clock ``t``) before the one ``o`` was made from, by the
+    same agent: a late copy (the relay was frozen while the agent sent the report again,
+    directly). Its events are in the newer report (an agent keeps the events of a report it
+    was not answered for and sends them again), so it is dropped whole."""
+    return (
+        o is not None
+        and o.incarnation == incarnation
+        and t is not None
+        and o.reported_at is not None
+        and t < o.reported_at
+    )

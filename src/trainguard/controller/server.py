@@ -37,7 +37,7 @@ from trainguard.controller.jobstate import (
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.policy import Reaction, react
 from trainguard.controller.pools import is_alive, world_of
-from trainguard.controller.relays import RelayBook, apply_alive, desired_batch
+from trainguard.controller.relays import RelayBook, apply_alive, desired_batch, superseded
 from trainguard.controller.restore import ring_of
 from trainguard.controller.store import Store
 from trainguard.health.coordinator import Preflight
@@ -143,6 +143,7 @@ class Controller:
         self._last_persist = 0.0
         self._signature: tuple[Any, ...] = ()
         self._last_tick = time.monotonic()
+        self._last_cpu = time.process_time()  # this process's CPU seconds at the last tick
         # Desired-state versions grow across controller restarts (agents ignore older ones).
         self._version_base = int(clock.wall() * 1000)
         self._inputs = Inputs()  # for the next decide (the executor never edits the state)
@@ -326,10 +327,14 @@ class Controller:
         if self.relays.seen(rid, str(body["addr"]), now):
             self.store.record("relay_joined", {"relay": rid, "addr": body["addr"]})
         refused: dict[str, str] = {}
+        stale = 0
         for raw in body.get("reports", []):
             node = str(raw.get("node_id")) if isinstance(raw, dict) else "?"
             try:
                 report = protocol.report_from_json(raw)
+                if superseded(self.obs.get(report.node_id), report.incarnation, report.time):
+                    stale += 1  # a late copy of what the agent sent again since (directly)
+                    continue
                 why = self.clash(report)
                 if why is None:
                     self.ingest(report)
@@ -360,6 +365,9 @@ class Controller:
         if refused:
             log.warning("relay %s: refused %d node report(s), e.g. %s", rid, len(refused),
                         next(iter(refused.items())))  # fmt: skip
+        if stale:
+            log.info("relay %s: dropped %d late report copies (newer ones were taken)", rid,
+                     stale)  # fmt: skip
         return {**self.relay_desired(rid, int(body.get("since", 0))), "resend": resend,
                 "refused": refused, "flush_s": self._relay_flush_s()}  # fmt: skip
 
@@ -412,9 +420,13 @@ class Controller:
         ``node_timeout_s`` passed)."""
         if self.state.phase.terminal and self._done.is_set():
             return False
-        mono = time.monotonic()
+        mono, cpu = time.monotonic(), time.process_time()
         gap, self._last_tick = mono - self._last_tick, mono
-        if gap > max(2.0, self.cfg.timeouts.node_timeout_s / 2):
+        busy, self._last_cpu = cpu - self._last_cpu, cpu
+        # Late but running all along (CPU used for most of the gap: a burst of reports, a long
+        # tick at scale): the reports it holds are fresh, and pausing decisions on every such
+        # gap would keep a loaded controller from ever deciding. Frozen: it did not run.
+        if gap > max(2.0, self.cfg.timeouts.node_timeout_s / 2) and busy < gap / 2:
             # This process was frozen (SIGSTOP, a stalled VM, swapping): every report it holds
             # is old, so no node is lost by its clock until each has reported again.
             self._back_since = clock.wall()

@@ -28,12 +28,6 @@ from typing import Any
 from trainguard.protocol.common import MAX_ITEMS, ProtocolError, _need, finite
 
 RELAY_PROTOCOL_VERSION = 1
-# A relay whose last exchange with the controller is older than this is cut off from it: its
-# agents report directly (agent/link.py) and it forwards nothing of what they send meanwhile.
-# Half the 10 s node timeout: a controller busy for a moment (a long tick, a collection) must
-# not send every agent to it directly at once, and a node behind a cut-off relay must reach
-# the controller directly well before it is judged lost.
-RELAY_STALE_S = 5.0
 
 # A worker's fields that change on every heartbeat (report.WorkerReport): their order is the
 # order of the numbers in an alive entry.
@@ -121,7 +115,6 @@ def check_uplink(body: Any) -> dict[str, Any]:
 __all__ = [
     "NODE_VOLATILE",
     "RELAY_PROTOCOL_VERSION",
-    "RELAY_STALE_S",
     "WORKER_VOLATILE",
     "AliveEntry",
     "ProtocolError",

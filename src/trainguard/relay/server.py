@@ -39,7 +39,6 @@ from trainguard.protocol.common import finite
 from trainguard.protocol.relay import (
     NODE_VOLATILE,
     RELAY_PROTOCOL_VERSION,
-    RELAY_STALE_S,
     WORKER_VOLATILE,
     AliveEntry,
     alive_entry,
@@ -144,14 +143,6 @@ class Relay:
         would refuse."""
         if not isinstance(body, dict) or not isinstance(body.get("node_id"), str):
             raise protocol.ProtocolError("a report is a JSON object with a node_id")
-        age = self.upstream_age()
-        if age is None or age > RELAY_STALE_S:
-            # Its agent does not take this answer (agent/link.py RoutedLink): it sends the
-            # report to the controller itself. Forwarded too, once the controller is reached
-            # again, its events would arrive twice and its state late (as the node's current
-            # one): a report taken after a freeze of this relay, or while it has no contact.
-            return {"version": self.desired.get(body["node_id"], (0, None))[0],
-                    "upstream_age_s": age}  # fmt: skip
         node = self.nodes.get(body["node_id"])
         if node is None:
             node = self.nodes[body["node_id"]] = _Node()
@@ -197,11 +188,7 @@ class Relay:
         node = self.nodes.get(entry[0])
         age = self.upstream_age()
         known = (
-            node is not None
-            and node.key is not None
-            and node.report.get("incarnation") == entry[1]
-            and age is not None
-            and age <= RELAY_STALE_S
+            node is not None and node.key is not None and node.report.get("incarnation") == entry[1]
         )
         if known and node is not None:
             node.alive, node.t, node.sent = entry, time.monotonic(), False
