@@ -169,3 +169,18 @@ def test_the_report_body_refuses_values_no_store_holds() -> None:
     item = protocol.loads(b'{"step": 9, "t_end": 1.0, "dur": 0.1, "loss": NaN}')
     steps = [{"generation": 3, "rank": 0, "items": [item]}]
     assert report_from_json({**GOOD, "steps": steps}).steps[0].items[0].loss != 0.0
+
+
+def test_a_long_poll_takes_its_mark_and_a_bounded_wait_or_refuses_them() -> None:
+    """``/v1/desired`` (controller, relay) and ``/v1/relay/desired`` share one reading: a
+    malformed or non-finite value is a 400 naming the fields, never a 500 or a wait of NaN."""
+    from trainguard.protocol.desired import MAX_WAIT_S, long_poll_args
+
+    assert long_poll_args({}, "version") == (0, 10.0)
+    assert long_poll_args({"since": "7", "wait_s": "2.5"}, "since") == (7, 2.5)
+    assert long_poll_args({"version": "3", "wait_s": "900"}, "version") == (3, MAX_WAIT_S)
+    assert long_poll_args({"version": "3", "wait_s": "-4"}, "version") == (3, 0.0)
+    for bad in ({"version": "x"}, {"wait_s": "soon"}, {"wait_s": "nan"}, {"wait_s": "inf"}):
+        with pytest.raises(protocol.ProtocolError) as e:
+            long_poll_args(bad, "version")
+        assert "wait_s" in str(e.value)

@@ -49,12 +49,12 @@ from trainguard.health.coordinator import Preflight
 from trainguard.health.judge import CheckConfig
 from trainguard.protocol import clock
 from trainguard.protocol import relay as relay_wire
+from trainguard.protocol.desired import long_poll_args
 
 if TYPE_CHECKING:
     from trainguard.controller.server import Controller
 
 log = logging.getLogger("trainguard.controller")
-MAX_WAIT_S = 30.0  # the longest long poll
 PUBLIC = frozenset({"/", "/favicon.ico"})  # and the page's script: no data in them
 READ_ONLY = frozenset({"/v1/view", "/v1/status", "/metrics"})  # the view token's reach
 
@@ -192,10 +192,9 @@ class HttpApi:
         one of its nodes changed after ``S`` (the answer's ``seq``), or after W s (max 30)."""
         rid = request.query.get("relay", "")
         try:
-            since = int(request.query.get("since", "0"))
-            wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
-        except ValueError:
-            return web.json_response({"error": "since and wait_s: numbers"}, status=400)
+            since, wait_s = long_poll_args(request.query, "since")
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
 
         def newer() -> bool:
             return self.ctl.closing or bool(self.ctl.relays.newer(rid, since))
@@ -207,8 +206,10 @@ class HttpApi:
 
     async def _get_desired(self, request: web.Request) -> web.Response:
         node_id = request.query.get("node", "")
-        version = int(request.query.get("version", "0"))
-        wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
+        try:
+            version, wait_s = long_poll_args(request.query, "version")
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
 
         def newer() -> bool:
             return self.ctl.closing or self.ctl.desired.get(node_id, (0, None))[0] > version

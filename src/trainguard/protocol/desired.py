@@ -8,6 +8,8 @@ wire as a JSON object whose ``"action"`` names the type. ``desired_to_json`` and
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from trainguard.protocol.common import ProtocolError, _need
@@ -243,3 +245,18 @@ def reply_from_json(body: Any) -> DesiredReply:
     return DesiredReply(
         version=body["version"], desired=None if d is None else desired_from_json(d)
     )
+
+
+MAX_WAIT_S = 30.0  # the longest long poll of desired states anyone may ask for
+
+
+def long_poll_args(query: Mapping[str, str], key: str) -> tuple[int, float]:
+    """A desired-state long poll's arguments (``/v1/desired``: ``version``; a relay's
+    ``/v1/relay/desired``: ``since``): the integer ``key`` (default 0) and ``wait_s`` (default
+    10, finite, clamped to 0..``MAX_WAIT_S`` seconds). Raises ProtocolError naming them."""
+    try:
+        mark, wait_s = int(query.get(key, "0")), float(query.get("wait_s", "10"))
+    except ValueError:
+        raise ProtocolError(f"{key} and wait_s: numbers") from None
+    _need(math.isfinite(wait_s), "wait_s: a finite number of seconds")
+    return mark, min(MAX_WAIT_S, max(0.0, wait_s))

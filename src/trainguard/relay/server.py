@@ -36,6 +36,7 @@ from aiohttp import web
 
 from trainguard import protocol
 from trainguard.protocol.common import finite
+from trainguard.protocol.desired import long_poll_args
 from trainguard.protocol.relay import (
     NODE_VOLATILE,
     RELAY_PROTOCOL_VERSION,
@@ -52,7 +53,6 @@ log = logging.getLogger("trainguard.relay")
 URGENT_S = 0.01  # a whole report waits this long for others to share its uplink
 UPLINK_TIMEOUT_S = 10.0  # one uplink's deadline
 UPLINK_REPORTS = 256  # whole reports in one uplink at most (more: the next one, at once)
-MAX_WAIT_S = 30.0  # the longest long poll an agent may ask for
 
 
 def _check_volatile(body: dict[str, Any]) -> None:
@@ -208,10 +208,9 @@ class Relay:
     async def _poll(self, request: web.Request) -> web.Response:
         node = request.query.get("node", "")
         try:
-            version = int(request.query.get("version", "0"))
-            wait_s = min(MAX_WAIT_S, float(request.query.get("wait_s", "10")))
-        except ValueError:
-            return web.json_response({"error": "version and wait_s: numbers"}, status=400)
+            version, wait_s = long_poll_args(request.query, "version")
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
 
         def newer() -> bool:
             return self.desired.get(node, (0, None))[0] > version
