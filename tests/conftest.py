@@ -53,7 +53,13 @@ PACE = ["--inject", "slow:rank=0:factor=5"]
 PACED_STEPS = 120
 PACED_ARGS = [*TINY, "--steps", str(PACED_STEPS), "--ckpt-every", "5", "--durable-every", "10"]
 # Short timeouts so faults are seen in seconds: the chaos command's own (chaos/run.py).
-FAST_CONFIG = chaos_run.FAST_CONFIG
+FAST_CONFIG = chaos_run.FAST_CONFIG + "warm_spares = 0\n"
+# warm_spares = 0: an agent keeps no spare worker started ahead of a restart; a restart starts
+# its workers as spares handed their rank at once (the same agent/spare.py path, without the
+# head start). An unused spare costs a torch import (~2-5 s of CPU here) and half of the CPU of
+# the slow tests went to spares, most never used; tests of what warm spares are for (a restart
+# that does not wait for imports) use WARM_CONFIG, the product's default.
+WARM_CONFIG = chaos_run.FAST_CONFIG
 # (probe_every_s = 0: no in-job GEMM probe process beside each test's workers, a torch import
 # per node and generation; tests/integration/test_sdc.py turns it on where it is the subject.)
 # The same with pre-flight checks on (tests of the pre-flight itself).

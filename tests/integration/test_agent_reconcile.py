@@ -3,6 +3,7 @@ typed desired states in, real spare and worker processes out."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -82,3 +83,32 @@ def test_run_stop_idle_shutdown_with_real_processes(agent: Agent, tmp_path: Path
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
     agent.want(Shutdown(phase="STOPPED", reason="stopped by request"))
     assert agent.loop_once() is True  # the agent exits
+
+
+def test_warm_spares_sets_how_many_spares_wait_and_zero_starts_workers_on_demand(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """``warm_spares``: an idle node keeps that many spares (None: one per worker); 0 keeps
+    none, and a generation's workers are spares started when it starts, handed their rank at
+    once (the same path, without the head start)."""
+
+    def spares() -> set[int]:
+        return {p for p in agent.launcher.pids if psutil.pid_exists(p)}
+
+    agent.want(Idle(nproc_per_node=2, warm_spares=1))
+    agent.loop_once()
+    assert len(spares()) == 1
+    agent.launcher.close()
+    agent.want(Idle(nproc_per_node=2, warm_spares=0))
+    agent.loop_once()
+    assert spares() == set()
+    run = dataclasses.replace(run_state(tmp_path, 0, 3.0), warm_spares=0)
+    agent.want(run)
+    until(agent, lambda: (tmp_path / "env0.1").exists(), 120, "both ranks to start")
+    assert len(agent.workers) == 2 and spares() == set()
+    until(agent, lambda: all(w.state == "succeeded" for w in agent.workers.values()), 120,
+          "generation 0 to end")  # fmt: skip
+    assert spares() == set()
+    agent.want(Idle(nproc_per_node=2))  # unset: one per worker
+    agent.loop_once()
+    assert len(spares()) == 2

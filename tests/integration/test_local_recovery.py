@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import (
-    FAST_CONFIG,
     ROOT,
     TINY,
+    WARM_CONFIG,
     events,
     fault_free_losses,
     finish_job,
@@ -36,7 +36,7 @@ from trainguard.observe.view import build_view
 EXAMPLE = ROOT / "examples" / "gpt" / "replicas.py"
 STEPS = 300
 ARGS = [*TINY, "--steps", str(STEPS), "--durable-every", "50"]
-CONFIG = FAST_CONFIG + "hang_timeout_min_s = 3.0\n"
+CONFIG = WARM_CONFIG + "hang_timeout_min_s = 3.0\n"  # a heal waits for no import
 
 
 def _start(run: Path, flags: list[str], env: dict[str, str] | None = None,

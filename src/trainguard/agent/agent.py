@@ -113,6 +113,11 @@ def hang_limit(desired: Run, w: wk.Worker) -> float:
     )
 
 
+def _spares(d: Run | Idle) -> int:
+    """Warm spares the agent keeps for ``d``: its ``warm_spares``, else one per worker."""
+    return d.warm_spares if d.warm_spares is not None else max(d.nproc_per_node, 1)
+
+
 class Agent:
     """One node's agent. ``run()`` returns the process exit status.
 
@@ -334,7 +339,7 @@ class Agent:
             with self._lock:  # idle until the controller says otherwise (a newer version)
                 self._desired = (
                     self._desired[0],
-                    Idle(nproc_per_node=d.nproc_per_node, ckpt=d.ckpt),
+                    Idle(nproc_per_node=d.nproc_per_node, warm_spares=d.warm_spares, ckpt=d.ckpt),
                 )
             self._stop_workers(grace_s=1.0)
             self._run_desired = None
@@ -382,7 +387,7 @@ class Agent:
                     return False  # reported as fenced; the controller starts a new generation
                 self._start_generation(d)
             elif self.generation == gen and all(w.step is not None for w in self.workers.values()):
-                self.launcher.fill(d.nproc_per_node)  # replenish once training is under way
+                self.launcher.fill(_spares(d))  # replenish once training is under way
         elif isinstance(d, Stop):
             gen = d.generation
             if self._stopped_generation < gen:
@@ -410,7 +415,7 @@ class Agent:
         else:  # Idle
             if self.workers:
                 self._stop_workers(grace_s=15.0)
-            self.launcher.fill(d.nproc_per_node or 1)
+            self.launcher.fill(_spares(d))
         return False
 
     def _host_store(self, gen: int) -> None:

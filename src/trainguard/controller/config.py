@@ -178,9 +178,19 @@ class RestartConfig:
         "recover in process where every rank's script runs under trainguard.run: the "
         "survivors keep their processes, only the failed ranks are new",
     )
+    warm_spares: int | None = setting(
+        None,
+        "spare workers each node keeps started, torch imported, for the next restart "
+        "(unset: one per worker, nproc_per_node; 0: a restart starts them, ~2-5 s of CPU "
+        "each)",
+    )
 
     def __post_init__(self) -> None:
         _need(self.max_restarts >= 0, f"--max-restarts {self.max_restarts}: must be >= 0")
+        _need(
+            self.warm_spares is None or self.warm_spares >= 0,
+            f"warm_spares = {self.warm_spares}: must be >= 0 (unset: one per worker)",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

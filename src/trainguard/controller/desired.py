@@ -42,7 +42,12 @@ def desired_for(
         and cfg.checkpoint.prefetch_standby
         and cfg.checkpoint.memory_tier
     )
-    idle = Idle(nproc_per_node=cfg.nproc_per_node, ckpt=ckpt, prefetch=standby)
+    idle = Idle(
+        nproc_per_node=cfg.nproc_per_node,
+        warm_spares=cfg.restart.warm_spares,
+        ckpt=ckpt,
+        prefetch=standby,
+    )
     if rank is None or rebooted(s, node_id, obs):
         return idle  # a rebooted node never rejoins the generation it was lost from
     if s.phase in (Phase.STOPPING, Phase.CLEANING, Phase.FAULTED):
@@ -82,6 +87,7 @@ def desired_for(
         replica_peers=replica_peers(s, node_id, obs, cfg, ring),
         replica_sources=s.restore_sources,
         probe_every_s=cfg.sdc.probe_every_s if cfg.sdc.sdc_check else 0.0,
+        warm_spares=cfg.restart.warm_spares,
         replica_groups=cfg.replica.groups,
         replica_max_local_restarts=cfg.replica.max_local_restarts,
         replica_timeout_s=cfg.replica.quorum_timeout_s,

@@ -29,10 +29,12 @@ class CkptConf:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Idle:
-    """No workers; keep ``nproc_per_node`` warm spares and ckptd for ``ckpt`` (if given);
-    ``prefetch``: keep a copy of the newest durable step in memory (a healthy standby)."""
+    """No workers; keep ``warm_spares`` warm spares (agent/spare.py; None: ``nproc_per_node``)
+    and ckptd for ``ckpt`` (if given); ``prefetch``: keep a copy of the newest durable step in
+    memory (a healthy standby)."""
 
     nproc_per_node: int = 0
+    warm_spares: int | None = None
     ckpt: CkptConf | None = None
     prefetch: bool = False
 
@@ -146,6 +148,8 @@ class Run:
     replica_peers: list[str]
     replica_sources: dict[str, str]
     probe_every_s: float = 0.0  # in-job known-answer GEMM probe period (agent/probe.py); 0: off
+    # Spares the agent keeps started once training is under way (None: nproc_per_node)
+    warm_spares: int | None = None
     # Local recovery (runtime/replica.py): replica groups (1: off), restarts of one group the
     # agent heals from a peer before a fault is the controller's, the groups' quorum deadline
     replica_groups: int = 1
@@ -208,6 +212,10 @@ def desired_from_json(body: Any) -> Desired:
         _need(isinstance(keep, list) and all(type(r) is int for r in keep),
               "desired.keep: a list of ranks (integers)")  # fmt: skip
         _need(type(t) in (int, float) and 0 < t < 86400, "desired.abort_timeout_s: 0 < s < 1 day")
+    if kind in (Run, Idle):
+        w = args.get("warm_spares")
+        _need(w is None or (type(w) is int and w >= 0),
+              "desired.warm_spares: null or an integer >= 0")  # fmt: skip
     if kind is Check and "task" in args:
         args["task"] = CheckTask.from_json(args["task"])
     if kind is Run and isinstance(args.get("injects"), list):
