@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainguard.checkpoint.persister import write_part
+from trainguard.checkpoint.dcp_part import write_part
 from trainguard.checkpoint.reader import CHUNK, CorruptFileError, VerifyingReader
 
 
@@ -95,7 +95,7 @@ def test_a_record_is_read_in_place_whatever_its_layout(zip_crc: bool) -> None:
     import io
     import pickle
 
-    from trainguard.checkpoint.persister import _no_zip_crc32
+    from trainguard.checkpoint.dcp_part import _no_zip_crc32
     from trainguard.checkpoint.reader import saved_tensor_view
 
     def record(obj: object) -> torch.Tensor:

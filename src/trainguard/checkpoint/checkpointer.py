@@ -42,7 +42,7 @@ from trainguard.checkpoint.api import (
     say,
 )  # fmt: skip
 from trainguard.checkpoint.backend import CkptdBackend, LocalBackend
-from trainguard.checkpoint.persister import WRITE_ERRORS
+from trainguard.checkpoint.dcp_part import WRITE_ERRORS
 from trainguard.checkpoint.pool import SLOT_WAIT_S, Lease, SlotPool, gc_paused
 from trainguard.checkpoint.tiers import RankSide
 from trainguard.checkpoint.tiers.api import Failure

@@ -431,7 +431,7 @@ class _TensorPickle(pickle.Unpickler):
 
 def _span(buf: torch.Tensor, info: zipfile.ZipInfo) -> tuple[int, int]:
     """Where a stored (uncompressed) record's bytes lie in ``buf``. zipfile's own read checks
-    the zip's CRC-32, which trainguard's parts leave out (persister._no_zip_crc32: the file's
+    the zip's CRC-32, which trainguard's parts leave out (dcp_part._no_zip_crc32: the file's
     CRC-32C covers them); torch.load does not check it either."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError("compressed record")

@@ -26,13 +26,14 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c
-import torch
 
 from trainguard.checkpoint.api import CheckpointCorruptError, CheckpointError
-from trainguard.checkpoint.state import overlaps, unpack_objects
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: ckptd reads slots without it
+    import torch
 
 MAGIC = b"TGSNAP02"  # 02: object blob of torch.save bytes per key
 WRITING = b"WRITING\0"
@@ -100,6 +101,8 @@ class Layout:
 
     def signature(self) -> tuple[list[str], list[torch.Size], list[torch.dtype]]:
         """The keys, shapes and dtypes of the entries, in layout order."""
+        import torch
+
         return (
             [e.key for e in self.tensors],
             [torch.Size(e.shape) for e in self.tensors],
@@ -140,6 +143,8 @@ _SIGNATURES: dict[int, tuple[Layout, tuple[list[str], list[torch.Size], list[tor
 
 
 def _view(buf: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    import torch
+
     return buf[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
 
 
@@ -159,7 +164,11 @@ class Slot:
         finally:
             os.close(fd)
         self.size = size
-        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8) if writable else None
+        self.buf = None
+        if writable:  # a writer's: torch is in (ckptd maps slots read-only, without torch)
+            import torch
+
+            self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
         self._dsts: tuple[Layout, list[torch.Tensor]] | None = None
         self._nonempty: list[int] = []
 
@@ -192,6 +201,8 @@ class Slot:
         """Copy host tensors (any strides) into their places: entries ``indices`` (default
         all) of ``layout``, ``tensors`` in layout order. One ``_foreach_copy_`` call: the
         per-tensor cost of very many small tensors stays that of a memcpy loop."""
+        import torch
+
         if isinstance(tensors, dict):
             tensors = list(tensors.values())
         dsts = self.destinations(layout)
@@ -246,6 +257,8 @@ class Slot:
 
     def views(self, header: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
         """Tensors as read-only views of the slot (exact storages, no copy) and the object blob."""
+        import torch
+
         out = {}
         for d in header["layout"]["tensors"]:
             e = TensorEntry(**{**d, "shape": tuple(d["shape"])})
@@ -309,6 +322,8 @@ def restore(
     shorter than its header says; CheckpointCorruptError on any checksum mismatch (targets
     are then partly overwritten: the caller restores them from another tier).
     """
+    from trainguard.checkpoint.state import unpack_objects
+
     pieces, staged = _pieces(header, targets)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -322,7 +337,7 @@ def restore(
 
 
 Piece = tuple[str, int, int, int, memoryview]  # key, piece index, slot offset, bytes, destination
-Staged = tuple[str, torch.Tensor, torch.Tensor]  # key, target, host buffer
+Staged = tuple[str, "torch.Tensor", "torch.Tensor"]  # key, target, host buffer
 
 
 def _pieces(
@@ -331,6 +346,8 @@ def _pieces(
     """Where each piece of the slot goes: the target's own bytes (a contiguous CPU tensor),
     else a host buffer (pinned for a CUDA target) staged for ``_unstage``. Raises
     CheckpointError for a target that is missing or does not match the snapshot."""
+    import torch
+
     pieces: list[Piece] = []
     staged: list[Staged] = []
     for d in header["layout"]["tensors"]:
@@ -389,6 +406,10 @@ def _read_pieces(
 def _unstage(staged: list[Staged]) -> dict[str, torch.Tensor]:
     """Copy the staged host buffers into their targets (``copy_``: any strides, host → device
     for GPU tensors); returns those that cannot be written in place (overlapping elements)."""
+    import torch
+
+    from trainguard.checkpoint.state import overlaps
+
     replaced: dict[str, torch.Tensor] = {}
     cuda = False
     with torch.no_grad():
