@@ -11,7 +11,8 @@ recovery phase is printed side by side (seconds, from ``trainguard report --json
 
 Keys: ``steps``, ``kill_step``, ``durable_every``, ``model_args`` (the example's model
 flags; empty: its defaults), ``replica`` and ``durable`` (each: ``phases_s``,
-``restore_step``, ``restore_tiers``, ``steps_lost``). No target is named for these figures.
+``restore_step``, ``restore_tiers``, ``steps_lost``; ``later_faults``: faults after the host's
+loss, e.g. caused by a loaded machine, each its own recovery). No target is named for these figures.
 
 ``--smoke``: the tiny model, 40 steps, the kill at step 20, durable every 10 steps, no
 pre-flight screening of the hosts as they join (CI).
@@ -131,12 +132,16 @@ def one_run(tmp: Path, replicas: bool, args: argparse.Namespace) -> dict[str, An
         rep = json.loads(subprocess.run(
             _tg("report", "--run-dir", run_dir, "--json"), capture_output=True, text=True,
             timeout=60, check=True).stdout)  # fmt: skip
-        (rec,) = rep["recoveries"]
+        recs = rep["recoveries"]
+        if not recs:
+            raise RuntimeError(f"the node's loss caused no recovery: {json.dumps(rep)[-2000:]}")
+        rec = recs[0]  # the lost node's; a later one (a fault the load caused) is said
         return {
             "phases_s": rec["phases_s"],
             "restore_step": rec["restore_step"],
             "restore_tiers": rec["restore_tiers"],
             "steps_lost": rec["steps_lost"],
+            "later_faults": [{k: r[k] for k in ("fault", "rank", "node")} for r in recs[1:]],
         }
     finally:
         for p in procs:

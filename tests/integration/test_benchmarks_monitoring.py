@@ -206,5 +206,7 @@ def test_the_node_recovery_benchmark_smoke_run_prints_its_keys(tmp_path: Path) -
     for key in ("steps", "kill_step", "durable_every", "model_args", "replica", "durable"):
         assert key in r, key
     for side in ("replica", "durable"):
-        assert set(r[side]) == {"phases_s", "restore_step", "restore_tiers", "steps_lost"}
+        assert set(r[side]) == {
+            "phases_s", "restore_step", "restore_tiers", "steps_lost", "later_faults"
+        }  # fmt: skip
         assert r[side]["phases_s"]["total"] > 0, r[side]
