@@ -5,8 +5,8 @@ controller`` process (its real HTTP server, store and state machine) for a job o
 nodes plus one standby, 8 workers per node, and ``--procs`` simulator processes. Each runs
 one asyncio client per simulated node that speaks the real protocol (HTTP/1.1, JSON) over a
 kept-alive connection of its own: it reports at the job's heartbeat interval (random phase),
-starts its 8 workers when the controller says run (steps advancing with each report), acks
-stops.
+starts its 8 workers when the controller says run (steps advancing with each report, each
+report carrying its ranks' new step records, as a training agent's do), acks stops.
 
 Per size it prints:
 - controller CPU (cores, from /proc/PID/stat over ``--measure-s`` of steady training),
@@ -136,6 +136,7 @@ def _sim(
                     fut.set_exception(ConnectionRefusedError(f"relay {self.relay}: {exc}"))
 
     waiting: dict[str, set[str]] = {}  # relay → nodes whose alive datagram awaits its ack
+    gen_of: dict[str, int | None] = {}  # node → the generation it trains in (step records)
 
     async def alive(nid: str, inc: str, workers: list[int], step: int, to: str) -> dict[str, Any]:
         """As the agent's RoutedLink: an alive datagram to relay ``to``, its ack (2 s)."""
@@ -146,8 +147,12 @@ def _sim(
         fut = asyncio.get_running_loop().create_future()
         acks[nid] = fut
         waiting.setdefault(to, set()).add(nid)
-        entry = [nid, inc, 0.0, [time.time(), None],
+        now = time.time()
+        entry = [nid, inc, 0.0, [now, None],
                  [[r, step, 0.1, 0.1, None, None, None, None, None] for r in workers]]  # fmt: skip
+        if workers and gen_of.get(nid) is not None:  # a training node: its step records too
+            entry.append([{"generation": gen_of[nid], "rank": r,
+                           "items": [{"step": step, "t_end": now, "dur": 0.1}]} for r in workers])  # fmt: skip
         udp[to].sendto(wire.encode(key_bytes, {"alive": entry, "seq": step}))
         try:
             return await asyncio.wait_for(fut, RELAY_TIMEOUT_S)
@@ -191,12 +196,20 @@ def _sim(
                      "heartbeat_age_s": 0.1, "runtime": True}
                     for k in range(NPROC)
                 ] if running else []  # fmt: skip
+                gen_of[nid] = gen if running else None
+                # A training node's every report carries its ranks' new step records, as the
+                # agent's do: one step each since the last report.
+                steps = [
+                    {"generation": gen, "rank": rank * NPROC + k,
+                     "items": [{"step": STEP_MARK, "t_end": TIME_MARK, "dur": 0.1}]}
+                    for k in range(NPROC)
+                ] if running else []  # fmt: skip
                 template = json.dumps({
                     "v": 1, "node_id": nid, "addr": f"10.0.{i // 250}.{i % 250 + 1}",
                     "incarnation": inc, "generation": gen if action == "run" else None,
                     "desired_version": version,
                     "workers": workers, "stopped_generation": stopped, "events": [],
-                    "steps": [], "memory": {}, "replicas": {}, "time": TIME_MARK,
+                    "steps": steps, "memory": {}, "replicas": {}, "time": TIME_MARK,
                     "store": [gen, 29500] if action == "run" and rank == 0 else None,
                 })  # fmt: skip
             t0, t_wall = time.monotonic(), time.time()

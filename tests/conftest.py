@@ -189,12 +189,15 @@ def fault_free_losses(
     dropout drawn per step; checked by ``test_reference_losses_are_a_prefix_of_a_longer_run``),
     so a reference of N steps is the first N losses of any run with the same ``run_args`` and
     other script flags. Runs are cached under the session's base temp dir (never across
-    sessions: the code may have changed), one writer at a time per key (a flock; waits at most
-    REFERENCE_LOCK_S, then TimeoutError)."""
+    sessions: the code may have changed), or under ``$TRAINGUARD_TEST_REFERENCES`` where set:
+    CI's runs of one checkout (the default suite, then the slow one) share their references.
+    One writer at a time per key (a flock; waits at most REFERENCE_LOCK_S, then TimeoutError)."""
     steps, rest = _without_steps(script_args)
     key = hashlib.sha1(json.dumps([run_args, rest]).encode()).hexdigest()[:16]
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    if os.environ.get("TRAINGUARD_TEST_REFERENCES"):
+        shared = Path(os.environ["TRAINGUARD_TEST_REFERENCES"])
     cache = shared / "reference-losses" / key
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / "lock", "w") as lock:

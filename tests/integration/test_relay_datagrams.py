@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import FAST_CONFIG, GPT, wait_for
 from tests.helpers.cluster import Cluster
 from trainguard.agent.link import RELAY_TIMEOUT_S, RoutedLink
+from trainguard.controller.store import open_readonly
 
 
 @pytest.fixture
@@ -58,7 +59,8 @@ def test_alive_datagrams_through_a_relay_then_directly_once_it_is_killed(cluster
     """Real fault: SIGKILL of the relay process. Before it: the first report goes whole over
     HTTP, the next ones (same shape) as datagrams, answered and forwarded (the controller's
     last report of n0 stays fresh for longer than the node timeout); a report with an event
-    goes whole again. After it: the datagram times out, the report goes directly."""
+    goes whole again; step records go in the datagrams (or over HTTP when they do not fit in
+    one) and reach the controller's store in alive entries. After it: the datagram times out, the report goes directly."""
     cluster.start_controller()
     relay = cluster.start_relay("r0", "127.0.0.30")
     token = (cluster.run / "token").read_text().strip()
@@ -75,10 +77,30 @@ def test_alive_datagrams_through_a_relay_then_directly_once_it_is_killed(cluster
         assert _age(cluster) < 2.0  # the alive entries reached the controller
         sent = link.datagrams
         link.report(_report(9, event=True), timeout_s=5.0)  # an event: whole, over HTTP
-        link.report(_report(10), timeout_s=5.0)  # its shape again: whole, over HTTP
         assert link.datagrams == sent and link.failures == 0
-        link.report(_report(11), timeout_s=5.0)  # a datagram again
+        link.report(_report(10), timeout_s=5.0)  # the shape the relay holds: a datagram
         assert link.datagrams == sent + 1
+
+        # Step records (a training node's every report), the shape unchanged: in the alive
+        # datagram while it fits in one Ethernet frame, else over HTTP to the relay; either
+        # way to the controller in the node's alive entry, stored as a whole report's are.
+        def with_steps(first: int, n: int) -> dict[str, Any]:
+            body = _report(11)
+            body["steps"] = [{"generation": 0, "rank": 0, "items": [
+                {"step": st, "t_end": time.time(), "dur": 0.25, "loss": 1.0 / st}
+                for st in range(first, first + n)]}]  # fmt: skip
+            return body
+
+        for step in range(41, 49):  # 4 s: the entries with steps keep the node alive too
+            link.report(with_steps(step, 1), timeout_s=5.0)
+            time.sleep(0.5)
+        assert link.datagrams == sent + 9 and link.failures == 0
+        assert _age(cluster) < 2.0
+        link.report(with_steps(49, 40), timeout_s=5.0)  # 40 records: over 1472 bytes, HTTP
+        assert link.datagrams == sent + 9 and link.failures == 0
+        wait_for(lambda: _stored_steps(cluster) == list(range(41, 89)), 30, "the steps stored")
+        link.report(_report(11), timeout_s=5.0)  # a datagram again
+        assert link.datagrams == sent + 10
         cluster.relays["r0"].send_signal(signal.SIGKILL)
         cluster.relays["r0"].wait(timeout=30)
         t0 = time.monotonic()
@@ -89,6 +111,16 @@ def test_alive_datagrams_through_a_relay_then_directly_once_it_is_killed(cluster
         assert _age(cluster) < 2.0
     finally:
         link.close()
+
+
+def _stored_steps(c: Cluster) -> list[int]:
+    """Steps of generation 0, rank 0 in the controller's store."""
+    db = open_readonly(c.run)
+    try:
+        rows = db.execute("SELECT step FROM steps WHERE generation = 0 AND rank = 0 ORDER BY step")
+        return [int(r[0]) for r in rows]
+    finally:
+        db.close()
 
 
 def _try(link: RoutedLink, body: dict[str, Any]) -> bool:

@@ -3,11 +3,17 @@ shape (``controller/detectors.py``), without a server."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.unit.test_sdc import cfg, running
 from trainguard import protocol
 from trainguard.controller.api import Pool
 from trainguard.controller.detectors import Finding, ProbeDetector, Seen
+from trainguard.controller.ingest import Intake
+from trainguard.controller.jobstate import Inputs
+from trainguard.controller.monitor import Monitor
 from trainguard.controller.policy import react
+from trainguard.controller.store import Store
 
 STRAGGLER = {"rank": 1, "score": 0.4, "generation": 0}
 
@@ -54,7 +60,8 @@ def test_a_wrong_gemm_probe_is_a_suspicion_once() -> None:
              "results": [{"device": "cuda:0", "mismatches": 3, "first_bad": [0, 1]},
                          {"device": "cuda:1", "mismatches": 0}]}  # fmt: skip
     body = {"node_id": "node1", "addr": "a", "incarnation": "i", "health": {"probe": probe}}
-    seen = Seen(node="node1", report=protocol.report_from_json(body), state=s, now=1000.0)
+    report = protocol.report_from_json(body)
+    seen = Seen(node="node1", report=report, steps=report.steps, state=s, now=1000.0)
     det = ProbeDetector()
     (f,) = det.observe(seen)
     why = f.suspicion
@@ -68,3 +75,27 @@ def test_a_wrong_gemm_probe_is_a_suspicion_once() -> None:
         "cuda:0: 3 wrong element(s), first at [0, 1]" in why.detail and "cuda:1" not in why.detail
     )
     assert det.observe(seen) == []  # the same probe again: nothing new
+
+
+def test_step_records_without_a_report_are_stored_and_seen_by_the_step_detectors(
+    tmp_path: Path,
+) -> None:
+    """A relay sends a training node's step records in its alive entry, not in a whole report
+    (protocol/relay.py): ``Intake.take_steps`` stores them and the step detectors see them
+    (rank 0's non-finite loss is found) as they would a report's; the detectors of a report's
+    other fields see nothing (there is no report)."""
+    s, _ = running(1000.0)
+    store = Store(tmp_path)
+    try:
+        intake = Intake(cfg(), store, Monitor(), lambda: None, lambda _n, _t: None)
+        items = [{"step": 30, "t_end": 999.0, "dur": 0.1, "loss": 2.0},
+                 {"step": 31, "t_end": 999.1, "dur": 0.1, "loss": float("nan")}]  # fmt: skip
+        batch = protocol.StepBatch.from_json(
+            {"generation": s.generation, "rank": 0, "items": items}
+        )
+        found = intake.take_steps("node0", [batch], s, Inputs(), 1000.0)
+        assert [f.kind for f in found] == ["loss_nonfinite"], found
+        rows = store.db.execute("SELECT step FROM steps WHERE rank = 0 ORDER BY step").fetchall()
+        assert rows == [(30,), (31,)]
+    finally:
+        store.close()

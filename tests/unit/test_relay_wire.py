@@ -22,6 +22,7 @@ from trainguard.controller.ingest import observe
 from trainguard.controller.relays import RelayBook, apply_alive, desired_batch, superseded
 from trainguard.protocol.common import ProtocolError
 from trainguard.protocol.relay import (
+    APPENDED,
     NODE_VOLATILE,
     WORKER_VOLATILE,
     alive_entry,
@@ -30,7 +31,7 @@ from trainguard.protocol.relay import (
     shape_key,
 )
 from trainguard.protocol.report import _WORKER_FIELDS
-from trainguard.relay.server import Relay
+from trainguard.relay.server import STEP_BATCHES_KEPT, Relay
 
 T0 = 1_700_000_000.0  # the agent's clock at its first report
 
@@ -94,19 +95,25 @@ def test_shape_key_ignores_a_worker_field_iff_it_is_volatile(field: str) -> None
 
 @pytest.mark.parametrize("field", sorted(agent_report()))
 def test_shape_key_ignores_a_report_field_iff_it_is_volatile(field: str) -> None:
-    """Changing one top-level field of the report: the shape stays only for NODE_VOLATILE."""
+    """Changing one top-level field of the report: the shape stays only for NODE_VOLATILE, the
+    APPENDED records (gathered into alive entries) and events (a report with any goes whole,
+    whatever its shape: ``Relay.take``)."""
     base = agent_report()
     changed = copy.deepcopy(base)
     changed[field] = ["something else", 1]
-    assert (shape_key(changed) == shape_key(base)) is (field in NODE_VOLATILE), field
+    kept = field in NODE_VOLATILE or field in APPENDED or field == "events"
+    assert (shape_key(changed) == shape_key(base)) is kept, field
 
 
 def test_shape_key_sees_added_fields_workers_and_events() -> None:
-    """A field this version does not know, a worker more or less, an event: all shape."""
+    """A field this version does not know, a worker more or less: shape; an event or a step
+    record is not (the relay forwards a report with events whole, and gathers step records)."""
     base = agent_report()
     assert shape_key({**base, "future_field": 1}) != shape_key(base)
     assert shape_key(agent_report(steps=(40,))) != shape_key(base)
-    assert shape_key(agent_report(events=[{"kind": "x", "ts": T0}])) != shape_key(base)
+    assert shape_key(agent_report(events=[{"kind": "x", "ts": T0}])) == shape_key(base)
+    batch = {"generation": 2, "rank": 0, "items": [{"step": 41, "t_end": T0, "dur": 0.1}]}
+    assert shape_key({**base, "steps": [batch]}) == shape_key(base)
     # Only the volatile fields of every worker and the clock changed: the same shape.
     later = agent_report(steps=(90, 91), time=T0 + 60, ckptd_at=T0 + 59)
     for w in later["workers"]:
@@ -145,6 +152,18 @@ def test_an_alive_entry_round_trip_refreshes_the_observation() -> None:
         assert (got.state, got.pid, got.runtime) == ("running", 100 + w["rank"], True)
     assert o.steps_seen == {2: 57}
     assert o.generation == 2 and o.incarnation == "inc-1"
+
+
+def test_an_alive_entry_with_step_records_refreshes_the_observation_as_one_without() -> None:
+    """An entry carrying step batches (its 6th item): applied as the 5-item one is (the
+    records themselves go to the store through ``Controller.take_steps``)."""
+    o = observe("node0", protocol.report_from_json(agent_report()), None, now=1000.0)
+    later = agent_report(steps=(55, 57))
+    batch = [{"generation": 2, "rank": 0, "items": [{"step": 55, "t_end": T0, "dur": 0.1}]}]
+    entry = _wire(alive_entry(later, age_s=0.5, steps=batch))
+    assert len(entry) == 6 and check_alive(entry) == entry
+    apply_alive(o, entry, now=1010.0)
+    assert o.last_seen == 1009.5 and o.steps_seen == {2: 57}
 
 
 def test_an_older_alive_entry_never_moves_last_seen_or_the_skew_back() -> None:
@@ -275,6 +294,9 @@ def _re(s: str) -> str:
         ["node0", "inc-1", 0.0, [None, None], [["0", *([None] * len(WORKER_VOLATILE))]]],
         ["node0", "inc-1", 0.0, [None, None], [[True, *([None] * len(WORKER_VOLATILE))]]],
         ["node0", "inc-1", 0.0, [None, None], [{"rank": 0}]],
+        ["node0", "inc-1", 0.0, [None, None], [], {"generation": 0}],  # steps not a list
+        ["node0", "inc-1", 0.0, [None, None], [], [[0, 1]]],  # a step batch not an object
+        ["node0", "inc-1", 0.0, [None, None], [], [], "x"],  # 7 items
     ],
 )
 def test_check_alive_refuses_a_malformed_entry(entry: Any) -> None:
@@ -416,7 +438,8 @@ def test_a_late_relayed_copy_of_a_report_is_superseded_by_the_newer_one() -> Non
 
 def test_the_relay_queues_a_changed_shape_whole_and_the_rest_as_alive_entries() -> None:
     """First report of a node: whole. Same shape again: an alive entry of its latest only,
-    aged by the relay's clock. A worker exit, an event, a step record: whole, each; after
+    aged by the relay's clock. A worker exit, an event: whole, each; step records of a report
+    of an unchanged shape go in the node's next alive entry, gathered in their order; after
     each uplink nothing is sent twice."""
 
     async def go() -> None:
@@ -459,16 +482,26 @@ def test_the_relay_queues_a_changed_shape_whole_and_the_rest_as_alive_entries() 
         steps = {**again, "steps": [batch]}
         relay.take(steps)
         batch2 = {"generation": 2, "rank": 1, "items": [{"step": 46, "t_end": T0, "dur": 0.2}]}
-        relay.take({**again, "steps": [batch2]})  # step records are news, even the same shape
+        relay.take({**again, "steps": [batch2]})  # the shape of ``again``: alive, gathered
         relay.take(agent_report("node1", steps=(46, 47), events=[{"kind": "x", "ts": T0}]))
         body = relay.uplink_body()
-        # One whole report per node, its newest, carrying every event and step record of the
-        # ones it replaced, in their order.
+        # One whole report per node with news (the exit, then the event: one, the newest,
+        # carrying the events of the one it replaced); node0's step records after it in its
+        # alive entry, in their order.
         node0, node1 = body["reports"]
-        assert node0 == {**again, "events": event["events"], "steps": [batch, batch2]}
+        assert node0 == event
         assert node1["node_id"] == "node1" and node1["events"] == [{"kind": "x", "ts": T0}]
-        assert body["alive"] == []  # both nodes' latest went whole
-        assert relay.uplink_body()["reports"] == []
+        (entry,) = body["alive"]
+        assert entry[0] == "node0" and entry[5] == [batch, batch2]
+        assert check_alive(json.loads(json.dumps(entry))) == entry
+        assert relay.uplink_body() == {**relay.uplink_body(), "reports": [], "alive": []}
+        # A report whose shape changed takes the step records gathered before it along.
+        relay.take({**again, "steps": [batch]})
+        moved = agent_report("node0", steps=(48, 49))
+        relay.take({**moved, "steps": [batch2]})
+        body = relay.uplink_body()
+        (whole,) = body["reports"]
+        assert whole["steps"] == [batch, batch2] and body["alive"] == []
 
     asyncio.run(go())
 
@@ -586,6 +619,59 @@ def test_a_failed_uplink_loses_no_event_and_keeps_their_order(
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+
+    asyncio.run(go())
+
+
+def test_a_failed_uplink_keeps_the_step_records_of_its_alive_entries_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Step records gathered for node0's alive entry go in an uplink the controller does not
+    take; a newer record comes meanwhile. The retried uplink's alive entry carries both, the
+    older first; a relay that cannot reach the controller keeps at most STEP_BATCHES_KEPT."""
+
+    def batch(step: int) -> dict[str, Any]:
+        return {"generation": 2, "rank": 0, "items": [{"step": step, "t_end": T0, "dur": 0.1}]}
+
+    async def go() -> None:
+        relay = await _relay()
+        sent: list[dict[str, Any]] = []
+        fail = asyncio.Event()
+
+        async def post(body: dict[str, Any]) -> None:
+            sent.append(copy.deepcopy(body))
+            if len(sent) == 1:
+                await fail.wait()
+                raise OSError("controller down")
+            await asyncio.Event().wait()  # the retry stays in flight: the test reads it
+
+        relay.take(agent_report("node0"))
+        relay.uplink_body()  # its shape went whole
+        monkeypatch.setattr(relay, "_post", post)
+        relay.take({**agent_report("node0", time=T0 + 1), "steps": [batch(42)]})
+        loop = asyncio.create_task(relay.uplink_loop())
+        try:
+            for _ in range(300):
+                if sent:
+                    break
+                await asyncio.sleep(0.01)
+            (entry,) = sent[0]["alive"]
+            assert entry[5] == [batch(42)]
+            relay.take({**agent_report("node0", time=T0 + 2), "steps": [batch(43)]})
+            fail.set()
+            for _ in range(500):
+                if len(sent) > 1:
+                    break
+                await asyncio.sleep(0.01)
+            (entry,) = sent[1]["alive"]
+            assert entry[5] == [batch(42), batch(43)] and entry[3][0] == T0 + 2
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+        node = relay.nodes["node0"]
+        node.gather([batch(i) for i in range(STEP_BATCHES_KEPT + 5)])
+        assert len(node.steps) == STEP_BATCHES_KEPT and node.steps[0] == batch(5)
 
     asyncio.run(go())
 

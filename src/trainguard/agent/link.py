@@ -109,6 +109,10 @@ class ControllerLink:
 
 RELAY_TIMEOUT_S = 2.0  # a report to the relay: past this, the controller directly
 RELAY_RETRY_S = 10.0  # after a relay failed, reports go directly this long, then to it again
+# An alive datagram's largest size: one Ethernet frame's payload less IP and UDP headers
+# (1500 - 20 - 8), so no datagram is fragmented (a lost fragment loses it whole). A node's
+# heartbeat of step records (8 ranks, a step or two each) fits; more goes over HTTP.
+MAX_DATAGRAM_BYTES = 1472
 
 
 class RoutedLink:
@@ -147,13 +151,22 @@ class RoutedLink:
     def report(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """One report (``POST /v1/report``'s body), the cheapest way that carries it: an
         alive datagram to the relay when only its volatile fields changed since the relay
-        took it whole (``protocol/relay.py``), else the whole report over HTTP (the relay,
-        or the controller). The answer as ``request``'s; raises as it does."""
+        took it whole (``protocol/relay.py``), with its step records if they fit in
+        MAX_DATAGRAM_BYTES, else the whole report over HTTP (the relay, or the controller).
+        The answer as ``request``'s; raises as it does. (A datagram that arrived but whose
+        ack was lost is sent again over HTTP: its step records may reach the controller
+        twice, stored once.)"""
+        data = None
         if (self._use_relay("/v1/report") and self._acked is not None
-                and not body.get("events") and not body.get("steps")
-                and shape_key(body) == self._acked):  # fmt: skip
+                and not body.get("events") and shape_key(body) == self._acked):  # fmt: skip
+            self._seq += 1
+            entry = alive_entry(body, 0.0, body.get("steps") or None)
+            data = wire.encode(self._key, {"alive": entry, "seq": self._seq})
+            if len(data) > MAX_DATAGRAM_BYTES:  # many step records: whole, over HTTP
+                data = None
+        if data is not None:
             try:
-                ack = self._alive(body)
+                ack = self._alive(data)
                 self._timeouts = 0
                 if ack.get("known"):
                     self.datagrams += 1
@@ -165,15 +178,14 @@ class RoutedLink:
         self._acked = shape_key(body) if getattr(self._via, "relay", False) else None
         return reply
 
-    def _alive(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Send ``body``'s alive entry as a signed datagram; its ack within
-        ``relay_timeout_s`` (TimeoutError past it)."""
+    def _alive(self, data: bytes) -> dict[str, Any]:
+        """Send ``data`` (a signed alive datagram, sequence number ``self._seq``); its ack
+        within ``relay_timeout_s`` (TimeoutError past it)."""
         if self._udp is None:
             host, _, port = self.relay_addr.rpartition(":")
             self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self._udp.connect((host, int(port)))
-        self._seq += 1
-        self._udp.send(wire.encode(self._key, {"alive": alive_entry(body, 0.0), "seq": self._seq}))
+        self._udp.send(data)
         deadline = time.monotonic() + self.relay_timeout_s
         while True:
             left = deadline - time.monotonic()

@@ -24,16 +24,19 @@ from trainguard.controller.jobstate import JobState, Suspicion
 from trainguard.controller.monitor import Monitor
 from trainguard.controller.pools import world_of
 from trainguard.controller.risk import RiskConfig, RiskWatch
-from trainguard.protocol import AgentReport, StepRecord
+from trainguard.protocol import AgentReport, StepBatch, StepRecord
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Seen:
     """One report as a detector sees it: from ``node``, received at ``now`` (controller wall
-    clock), with the job's state ``state`` as of then."""
+    clock), with the job's state ``state`` as of then; its step batches ``steps``. ``report``
+    is None for step records that came without a whole report (a relay's alive entry:
+    ``protocol/relay.py``): only the detectors over step records have something to see."""
 
     node: str
-    report: AgentReport
+    report: AgentReport | None
+    steps: list[StepBatch]
     state: JobState
     now: float
 
@@ -78,7 +81,7 @@ class _StepDetector:
 
     def observe(self, seen: Seen) -> list[Finding]:
         s, out = seen.state, []
-        for b in seen.report.steps:
+        for b in seen.steps:
             if b.generation != s.generation or not b.items:
                 continue
             for kind, data in self._batch(b.generation, world_of(s, self.cfg), b.rank, b.items):
@@ -169,6 +172,8 @@ class RiskDetector:
         )
 
     def observe(self, seen: Seen) -> list[Finding]:
+        if seen.report is None:
+            return []
         why = self.watch.observe(seen.node, seen.now, seen.report.health.signals)
         if why is None:
             return []
@@ -186,6 +191,8 @@ class ProbeDetector:
         self._seen: dict[str, Any] = {}  # node → time of its newest probe seen
 
     def observe(self, seen: Seen) -> list[Finding]:
+        if seen.report is None:
+            return []
         probe = seen.report.health.probe
         if probe is None or probe.t == self._seen.get(seen.node):
             return []

@@ -137,8 +137,21 @@ class Intake:
             self._event(r.node_id, ev, s, inputs, now)
         for batch in r.steps:
             self._steps(batch, s, inputs)
-        findings = self._detect(Seen(node=r.node_id, report=r, state=s, now=now), inputs)
+        findings = self._detect(
+            Seen(node=r.node_id, report=r, steps=r.steps, state=s, now=now), inputs
+        )
         return addresses_changed(old, new), findings
+
+    def take_steps(
+        self, node: str, batches: list[StepBatch], s: JobState, inputs: Inputs, now: float
+    ) -> list[Finding]:
+        """Step records of ``node`` that came without a whole report (``protocol/relay.py``:
+        a relay's alive entry): stored as a report's are, and the detectors' findings on them
+        (those over step records; the others see a ``Seen`` without a report)."""
+        for batch in batches:
+            self._steps(batch, s, inputs)
+        seen = Seen(node=node, report=None, steps=batches, state=s, now=now)
+        return self._detect(seen, inputs)
 
     def _event(self, node: str, ev: ReportEvent, s: JobState, inputs: Inputs, now: float) -> None:
         """Record one event; hand over the facts it carries."""

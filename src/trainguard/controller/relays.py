@@ -92,7 +92,7 @@ def apply_alive(o: NodeObs, entry: AliveEntry, now: float) -> None:
     ``last_seen`` = ``now`` − the entry's age (never earlier than it was), the report clock's
     skew, each listed worker's volatile fields, the newest step of its generation. Raises
     ProtocolError naming the field when a value does not fit its type."""
-    _, _, age, node_vals, workers = entry
+    _, _, age, node_vals, workers = entry[:5]  # a 6th item, step records, is taken apart
     t_time, _ckptd_at = node_vals[: len(NODE_VOLATILE)]
     _need(t_time is None or finite(t_time), "alive[].time: seconds since the epoch")
     _need(_ckptd_at is None or finite(_ckptd_at), "alive[].ckptd_at: seconds since the epoch")

@@ -287,6 +287,13 @@ class Controller:
         for f in findings:
             self._apply_reaction(react(f, self.state, self.obs, now, self.cfg))
 
+    def take_steps(self, node_id: str, batches: list[protocol.StepBatch]) -> None:
+        """Step records that came without a whole report (a relay's alive entry): stored and
+        seen by the step detectors as a report's are (``ingest``)."""
+        now = clock.wall()
+        for f in self.intake.take_steps(node_id, batches, self.state, self._inputs, now):
+            self._apply_reaction(react(f, self.state, self.obs, now, self.cfg))
+
     def _apply_reaction(self, r: Reaction) -> None:
         self._inputs.evict.update(r.evict)
         self._inputs.quarantine.update(r.quarantine)
@@ -347,6 +354,9 @@ class Controller:
         for raw in body.get("alive", []):
             try:
                 entry = relay_wire.check_alive(raw)
+                if len(entry) > 5:  # step records: facts of their own, whatever the shape
+                    batches = [protocol.StepBatch.from_json(b) for b in entry[5]]
+                    self.take_steps(entry[0], batches)
                 o = self.obs.get(entry[0])
                 # No observation, another incarnation, or reports that came another way since
                 # this relay's last whole one: an alive entry would refresh the wrong shape.

@@ -3,13 +3,18 @@ controller only what changed, with a compact liveness summary of the rest.
 
 An agent's report (``report.py``) holds two kinds of fields:
 
-- its **shape**: worker states, exits and errors, generation, events, step records, the
-  ckptd's memory index, health, pre-flight results, the desired version it holds… Any change
-  of these is a fact the controller acts on: the relay forwards that report whole, at once;
+- its **shape**: worker states, exits and errors, generation, events, the ckptd's memory
+  index, health, pre-flight results, the desired version it holds… Any change of these is a
+  fact the controller acts on: the relay forwards that report whole, at once;
 - its **volatile** fields (``WORKER_VOLATILE``, ``NODE_VOLATILE``): step counters, ages, the
   collective counters, CPU idleness, the report's clock. They change every heartbeat and only
   refresh what the controller knows. The relay sends them as one ``alive`` entry per node
-  (``AliveEntry``), a few numbers per worker, batched over all its nodes.
+  (``AliveEntry``), a few numbers per worker, batched over all its nodes;
+- its **step records** (``steps``, ``APPENDED``): a training node's reports carry new ones
+  every heartbeat. They are not shape: the relay gathers them per node and sends them in the
+  node's next alive entry (its sixth element), so a training job's reports are not forwarded
+  whole each heartbeat; the controller stores them and runs its step detectors on them as it
+  does for a whole report's.
 
 One uplink (``POST /v1/relay``, JSON) carries ``{"v", "relay", "addr", "reports": [report…],
 "alive": [AliveEntry…], "since": S}``; the controller answers ``{"seq": S', "desired":
@@ -43,8 +48,11 @@ WORKER_VOLATILE = (
 )
 # A report's own fields that change on every heartbeat (its clock; when ckptd was asked).
 NODE_VOLATILE = ("time", "ckptd_at")
+# A report's lists of new records, gathered by the relay and sent in alive entries.
+APPENDED = ("steps",)
 
-# [node_id, incarnation, age_s, [node volatile…], [[rank, worker volatile…], …]]
+# [node_id, incarnation, age_s, [node volatile…], [[rank, worker volatile…], …]] and, when
+# the relay gathered step records since the node's last entry, [step batch…] (report.py)
 AliveEntry = list[Any]
 
 
@@ -52,7 +60,9 @@ def shape_key(report: dict[str, Any]) -> str:
     """The report's shape: its JSON without the volatile fields, keys sorted. Two reports of
     one node with the same key differ only in what an alive entry carries (an agent writes
     its keys in one order, so they are not sorted)."""
-    body = {k: v for k, v in report.items() if k not in NODE_VOLATILE}
+    # events: a report that has any is forwarded whole whatever its shape (not part of it)
+    body = {k: v for k, v in report.items()
+            if k not in NODE_VOLATILE and k not in APPENDED and k != "events"}  # fmt: skip
     body["workers"] = [
         {k: v for k, v in w.items() if k not in WORKER_VOLATILE}
         for w in report.get("workers") or []
@@ -61,15 +71,19 @@ def shape_key(report: dict[str, Any]) -> str:
     return json.dumps(body, separators=(",", ":"))  # an agent writes its keys in one order
 
 
-def alive_entry(report: dict[str, Any], age_s: float) -> AliveEntry:
-    """The alive entry of a report received ``age_s`` seconds ago (relay's clock)."""
-    return [
+def alive_entry(
+    report: dict[str, Any], age_s: float, steps: list[dict[str, Any]] | None = None
+) -> AliveEntry:
+    """The alive entry of a report received ``age_s`` seconds ago (relay's clock), with the
+    step batches ``steps`` gathered since the node's last entry, if any."""
+    entry = [
         report["node_id"],
         report["incarnation"],
         round(age_s, 3),
         [report.get(k) for k in NODE_VOLATILE],
         [[w["rank"], *(w.get(k) for k in WORKER_VOLATILE)] for w in report.get("workers") or []],
     ]
+    return [*entry, steps] if steps else entry
 
 
 def check_alive(entry: Any) -> AliveEntry:
@@ -77,7 +91,7 @@ def check_alive(entry: Any) -> AliveEntry:
     naming the problem otherwise (the values' types are checked where they are applied)."""
     _need(
         isinstance(entry, list)
-        and len(entry) == 5
+        and len(entry) in (5, 6)
         and isinstance(entry[0], str)
         and isinstance(entry[1], str)
         and finite(entry[2])
@@ -86,8 +100,14 @@ def check_alive(entry: Any) -> AliveEntry:
         and len(entry[3]) == len(NODE_VOLATILE)
         and isinstance(entry[4], list)
         and len(entry[4]) <= MAX_ITEMS,
-        "alive[]: [node_id, incarnation, age_s >= 0, [node fields], [[rank, fields…], …]]",
+        "alive[]: [node_id, incarnation, age_s >= 0, [node fields], [[rank, fields…], …]"
+        "(, [step batch…])]",
     )
+    if len(entry) == 6:
+        steps = entry[5]
+        _need(isinstance(steps, list) and len(steps) <= MAX_ITEMS
+              and all(isinstance(b, dict) for b in steps),
+              f"alive[{entry[0]}] steps: a list of step batches (objects)")  # fmt: skip
     for w in entry[4]:
         _need(
             isinstance(w, list) and len(w) == 1 + len(WORKER_VOLATILE) and type(w[0]) is int,
@@ -113,6 +133,7 @@ def check_uplink(body: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "APPENDED",
     "NODE_VOLATILE",
     "RELAY_PROTOCOL_VERSION",
     "WORKER_VOLATILE",

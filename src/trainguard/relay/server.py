@@ -53,6 +53,9 @@ log = logging.getLogger("trainguard.relay")
 URGENT_S = 0.01  # a whole report waits this long for others to share its uplink
 UPLINK_TIMEOUT_S = 10.0  # one uplink's deadline
 UPLINK_REPORTS = 256  # whole reports in one uplink at most (more: the next one, at once)
+# Step batches held per node while the controller does not answer (a training rank sends one a
+# heartbeat: minutes of records of a node of 8); older ones are dropped past this.
+STEP_BATCHES_KEPT = 1024
 
 
 def _check_volatile(body: dict[str, Any]) -> None:
@@ -76,11 +79,24 @@ def _check_volatile(body: dict[str, Any]) -> None:
                 raise protocol.ProtocolError(f"workers[].{k}: {kind}")
 
 
+def _checked_steps(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A report's step batches, each checked as the controller will (ProtocolError naming the
+    field otherwise): they reach it in an alive entry, not in a report it checks whole."""
+    steps = body.get("steps") or []
+    if not isinstance(steps, list) or len(steps) > protocol.MAX_ITEMS:
+        raise protocol.ProtocolError("steps: a list of step batches")
+    for b in steps:
+        if not isinstance(b, dict):
+            raise protocol.ProtocolError("steps[]: a step batch object")
+        protocol.StepBatch.from_json(b)
+    return steps
+
+
 class _Node:
     """One node as the relay holds it: its latest report, when it came (monotonic), the shape
     of the last report forwarded whole, whether its latest went in an uplink yet."""
 
-    __slots__ = ("report", "t", "key", "sent", "alive")
+    __slots__ = ("report", "t", "key", "sent", "alive", "steps")
 
     def __init__(self) -> None:
         self.report: dict[str, Any] = {}
@@ -88,6 +104,17 @@ class _Node:
         self.key: str | None = None
         self.sent = True
         self.alive: AliveEntry | None = None  # its latest alive datagram's entry, if newer
+        # step batches of reports not forwarded whole, for its next alive entry (oldest first)
+        self.steps: list[dict[str, Any]] = []
+
+    def gather(self, steps: list[dict[str, Any]], *, older: bool = False) -> None:
+        """Keep ``steps`` for the next alive entry (``older``: batches of an uplink that
+        failed, put back before the newer ones); past STEP_BATCHES_KEPT the oldest go."""
+        self.steps = [*steps, *self.steps] if older else [*self.steps, *steps]
+        if len(self.steps) > STEP_BATCHES_KEPT:
+            dropped = len(self.steps) - STEP_BATCHES_KEPT
+            del self.steps[:dropped]
+            log.warning("dropped %d step batch(es) of a node the controller did not take", dropped)
 
 
 class Relay:
@@ -147,14 +174,20 @@ class Relay:
         if node is None:
             node = self.nodes[body["node_id"]] = _Node()
         key = shape_key(body)
-        whole = key != node.key or bool(body.get("events")) or bool(body.get("steps"))
+        whole = key != node.key or bool(body.get("events"))
         if whole:
             protocol.report_from_json(body)  # what the controller checks: refused here already
             node.key = key
+            if node.steps:  # gathered for an alive entry: they go first, with this report
+                body = {**body, "steps": [*node.steps, *(body.get("steps") or [])]}
+                node.steps = []
             self._queue(body)
             self._urgent.set()
         else:  # the shape of a report checked whole already: its alive entry's fields left
             _check_volatile(body)
+            steps = _checked_steps(body)
+            if steps:
+                node.gather(steps)
         node.report, node.t, node.sent, node.alive = body, time.monotonic(), whole, None
         version, desired = self.desired.get(body["node_id"], (0, None))
         out: dict[str, Any] = {"version": version, "upstream_age_s": self.upstream_age()}
@@ -183,6 +216,7 @@ class Relay:
         try:
             msg = wire.decode(self._key, data)
             entry = check_alive(msg.get("alive"))
+            steps = _checked_steps({"steps": entry[5]}) if len(entry) > 5 else []
         except ValueError:  # unauthenticated, not JSON, not an alive entry
             return None
         node = self.nodes.get(entry[0])
@@ -191,7 +225,9 @@ class Relay:
             node is not None and node.key is not None and node.report.get("incarnation") == entry[1]
         )
         if known and node is not None:
-            node.alive, node.t, node.sent = entry, time.monotonic(), False
+            node.alive, node.t, node.sent = entry[:5], time.monotonic(), False
+            if steps:
+                node.gather(steps)
         version = self.desired.get(entry[0], (0, None))[0]
         ack = {"node": entry[0], "seq": msg.get("seq"), "known": known, "version": version,
                "upstream_age_s": age}  # fmt: skip
@@ -231,10 +267,11 @@ class Relay:
         for n in self.nodes.values():
             if not n.sent:
                 if n.alive is not None:  # from a datagram: its own numbers, its age now
-                    alive.append([*n.alive[:2], round(now - n.t, 3), *n.alive[3:]])
+                    entry = [*n.alive[:2], round(now - n.t, 3), *n.alive[3:5]]
+                    alive.append([*entry, n.steps] if n.steps else entry)
                 else:
-                    alive.append(alive_entry(n.report, now - n.t))
-                n.sent = True
+                    alive.append(alive_entry(n.report, now - n.t, n.steps))
+                n.sent, n.steps = True, []
         reports = []
         for node in list(self._pending)[:UPLINK_REPORTS]:
             reports.append(self._pending.pop(node))
@@ -295,6 +332,11 @@ class Relay:
             except (TimeoutError, OSError, aiohttp.ClientError, ValueError) as e:
                 for r in body["reports"]:  # kept for the next uplink (a newer one merged in)
                     self._queue(r, older=True)
+                for entry in body["alive"]:  # their step records too (the numbers are redone)
+                    n = self.nodes.get(entry[0])
+                    if len(entry) > 5 and n is not None:
+                        n.gather(entry[5], older=True)
+                        n.sent = False
                 log.warning("uplink to %s failed (%s); retrying", self.controller, e)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
