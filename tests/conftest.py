@@ -66,6 +66,13 @@ WARM_CONFIG = chaos_run.FAST_CONFIG
 PREFLIGHT_CONFIG = FAST_CONFIG.replace('preflight = "off"', 'preflight = "quick"')
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The chaos test (minutes of faults, the longest by far) first: run two at a time (-n 2),
+    a long test started last leaves one worker idle for its length. A stable sort, the same
+    on every xdist worker."""
+    items.sort(key=lambda item: item.get_closest_marker("chaos") is None)
+
+
 def run_process(p: psutil.Process, tag: str) -> bool:
     """Is ``p`` a process of the test whose tmp dir is ``tag``: its command line or environment
     names it? (False for one gone or not readable.)"""
