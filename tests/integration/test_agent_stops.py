@@ -29,10 +29,10 @@ import psutil
 import pytest
 
 from tests.conftest import (
-    FAST_CONFIG,
     PACE,
     PACED_ARGS,
     PACED_STEPS,
+    WARM_CONFIG,
     agent_pid,
     drop_segments,
     events,
@@ -51,10 +51,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS, ARGS = PACED_STEPS, PACED_ARGS  # PACE: rank 0 paced 5x (tests/conftest.py)
 RUN_ARGS = ["--nodes", "2", "--standby", "1", *PACE]
-NODE_TIMEOUT_S = 3.0  # FAST_CONFIG's
-assert f"node_timeout_s = {NODE_TIMEOUT_S}" in FAST_CONFIG
+# The product's default of warm spares: each kill point below is a call of the path they make
+# (a rank handed to a spare by datagram), which a worker started on demand does not make.
+CONFIG = WARM_CONFIG
+NODE_TIMEOUT_S = 3.0  # its
+assert f"node_timeout_s = {NODE_TIMEOUT_S}" in CONFIG
 # A rank frozen by SIGSTOP is a hang seen in seconds (the agent sees the stopped process).
-HANG_CONFIG = FAST_CONFIG + "hang_timeout_min_s = 2.0\n"
+HANG_CONFIG = CONFIG + "hang_timeout_min_s = 2.0\n"
 # The restart path: every rank of the faulted generation is stopped by ``kill_groups``.
 RESTART_CONFIG = HANG_CONFIG + "inprocess = false\n"
 PDEATHSIG_S = 10.0  # a child of a killed agent is gone by then (measured: well under 1 s)
@@ -347,7 +350,7 @@ def test_an_agent_killed_while_its_new_generation_restores_leads_to_a_second_rec
     a second recovery puts rank 1 on node2 (the standby); the job succeeds with the
     fault-free losses, and the report counts both faults."""
     run = tmp_path / "run"
-    proc = start_job(run, RUN_ARGS, ARGS)
+    proc = start_job(run, RUN_ARGS, ARGS, config=CONFIG)
     try:
         r1 = _pid(run, 1)
         wait_for(lambda: reached_step(run, 25), 300, "step 25")
@@ -402,7 +405,7 @@ def test_an_agent_killed_in_its_exit_path_loses_nothing_and_a_rerun_succeeds(
     processes; a re-run of the run dir with the same command succeeds with the same
     losses, again leaving nothing."""
     run = tmp_path / "run"
-    proc = start_job(run, RUN_ARGS, ARGS)
+    proc = start_job(run, RUN_ARGS, ARGS, config=CONFIG)
     st: subprocess.Popen[bytes] | None = None
     try:
         wait_for(lambda: reached_step(run, 25), 300, "step 25")
@@ -432,7 +435,7 @@ def test_an_agent_killed_in_its_exit_path_loses_nothing_and_a_rerun_succeeds(
     assert not list(Path("/dev/shm").glob(f"trainguard-{job_id(run)}-*"))
     assert not run_processes(run)
 
-    res = run_job(run, RUN_ARGS, ARGS, timeout=300)
+    res = run_job(run, RUN_ARGS, ARGS, timeout=300, config=CONFIG)
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(run) == reference
     rep = report(run)

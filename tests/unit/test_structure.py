@@ -74,9 +74,9 @@ def test_wire_messages_are_read_typed_and_no_function_is_over_80_lines() -> None
 
 
 def test_ckptd_starts_without_torch() -> None:
-    """ckptd imports torch and DCP at its first durable part (checkpoint/dcp_part.py), not at
-    start: a standby's ckptd, or one restarted after a freeze, is up in a fraction of the
-    time, without a torch import's CPU."""
+    """ckptd's modules do not import torch: torch and DCP (checkpoint/dcp_part.py) load in a
+    thread beside serving, so a ckptd restarted after a freeze adopts its slots and answers
+    in a fraction of the time a torch import takes."""
     code = "import sys, trainguard.checkpoint.ckptd; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

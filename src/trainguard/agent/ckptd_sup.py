@@ -166,7 +166,9 @@ class CkptdSupervisor:
             except (OSError, ValueError, ckptd_mod.CheckpointError) as e:
                 log.warning("asking ckptd to persist step %s failed: %s", persist[0], e)
         want = list(desired.replica_peers) if isinstance(desired, Run) else []
-        if want != self._peers:
+        # Stopping: ckptd is about to be shut down; a new peer list is of no use to it, and the
+        # exit path makes no call but the last status and the shutdown order.
+        if want != self._peers and not self.stopping:
             try:
                 self._call(wire.SetPeers(addrs=tuple(want)), timeout_s=2.0)
                 self._peers = want

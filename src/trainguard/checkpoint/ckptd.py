@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib
 import json
 import logging
 import os
@@ -313,6 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         token=os.environ.get("TRAINGUARD_TOKEN"),
     )
     signal.signal(signal.SIGTERM, lambda *_: d._stop.set())
+    # torch and DCP (the durable part's writer) load beside serving: slots are adopted and
+    # snapshots indexed at once, and the first durable part does not hold up the indexing of
+    # every snapshot behind it for the seconds an import of torch takes on a loaded host (the
+    # persister's import waits on this one, Python's import lock).
+    threading.Thread(
+        target=importlib.import_module,
+        args=("trainguard.checkpoint.dcp_part",),
+        name="dcp-import",
+        daemon=True,
+    ).start()
     log.info(
         "serving %s; %d slot(s) adopted",
         args.node,

@@ -420,7 +420,7 @@ class Persister:
                     self._verifying = False
                 if not durable:
                     return
-                from trainguard.checkpoint import dcp_part  # torch and DCP, at the first part
+                from trainguard.checkpoint import dcp_part  # torch, DCP: loaded by ckptd at start
 
                 tensors, blob = slot.views(h)
                 # Objects stay the worker's torch.save bytes: no user class is imported here.
