@@ -31,7 +31,7 @@ def test_the_recovery_benchmark_smoke_run_prints_its_keys() -> None:
 
 @pytest.mark.slow  # CI's slow run (the default run stays under 15 min)
 def test_the_local_recovery_benchmark_smoke_run_prints_its_keys() -> None:
-    r = smoke("local_recovery", timeout=240)  # 76 s in a loaded slow run["groups"]["2"]
+    r = smoke("local_recovery", timeout=240)["groups"]["2"]  # 76 s in a loaded slow run
     for key in ("survivor_max_gap_s", "heal_s", "steps_at_reduced_width",
                 "state_equal_after_heal", "torchft", "gap_over_step", "heal_ratio"):  # fmt: skip
         assert key in r, key
