@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -572,6 +572,29 @@ def test_the_relay_applies_desired_states_and_resends_what_the_controller_asks()
     asyncio.run(go())
 
 
+def _post_failing_once(
+    sent: list[dict[str, Any]], fail: asyncio.Event
+) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """A relay's ``_post`` that records each uplink body in ``sent``: the first fails (OSError)
+    once ``fail`` is set, the next ones stay in flight for the test to read."""
+
+    async def post(body: dict[str, Any]) -> None:
+        sent.append(copy.deepcopy(body))
+        if len(sent) == 1:
+            await fail.wait()
+            raise OSError("controller down")
+        await asyncio.Event().wait()
+
+    return post
+
+
+async def _until(pred: Callable[[], bool], timeout_s: float) -> None:
+    """Polls ``pred`` every 10 ms for up to ``timeout_s``; the caller asserts what it needs."""
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_a_failed_uplink_loses_no_event_and_keeps_their_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -583,34 +606,21 @@ def test_a_failed_uplink_loses_no_event_and_keeps_their_order(
         relay = await _relay()
         sent: list[dict[str, Any]] = []
         fail = asyncio.Event()
-
-        async def post(body: dict[str, Any]) -> None:
-            sent.append(copy.deepcopy(body))
-            if len(sent) == 1:
-                await fail.wait()
-                raise OSError("controller down")
-            await asyncio.Event().wait()  # the retry stays in flight: the test reads it
-
+        post = _post_failing_once(sent, fail)
         monkeypatch.setattr(relay, "_post", post)
         ev_a = {"kind": "worker_exited", "ts": T0, "rank": 1, "generation": 2, "exit_code": 1}
         ev_b = {"kind": "inject_fired", "ts": T0 + 1, "rank": 0}
         relay.take(agent_report("node0", events=[ev_a]))
         loop = asyncio.create_task(relay.uplink_loop())
         try:
-            for _ in range(200):
-                if sent:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: bool(sent), 2.0)
             assert [r["events"] for r in sent[0]["reports"]] == [[ev_a]]
             batch = {"generation": 2, "rank": 0, "items": [{"step": 42, "t_end": T0, "dur": 0.1}]}
             newer = agent_report("node0", steps=(42, 43), events=[ev_b], time=T0 + 1)
             newer["steps"] = [batch]
             relay.take(newer)
             fail.set()
-            for _ in range(500):
-                if len(sent) > 1:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(sent) > 1, 5.0)
             (retried,) = sent[1]["reports"]
             assert retried["events"] == [ev_a, ev_b] and retried["steps"] == [batch]
             assert retried["workers"] == newer["workers"] and retried["time"] == T0 + 1
@@ -637,32 +647,19 @@ def test_a_failed_uplink_keeps_the_step_records_of_its_alive_entries_in_order(
         relay = await _relay()
         sent: list[dict[str, Any]] = []
         fail = asyncio.Event()
-
-        async def post(body: dict[str, Any]) -> None:
-            sent.append(copy.deepcopy(body))
-            if len(sent) == 1:
-                await fail.wait()
-                raise OSError("controller down")
-            await asyncio.Event().wait()  # the retry stays in flight: the test reads it
-
+        post = _post_failing_once(sent, fail)
         relay.take(agent_report("node0"))
         relay.uplink_body()  # its shape went whole
         monkeypatch.setattr(relay, "_post", post)
         relay.take({**agent_report("node0", time=T0 + 1), "steps": [batch(42)]})
         loop = asyncio.create_task(relay.uplink_loop())
         try:
-            for _ in range(300):
-                if sent:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: bool(sent), 3.0)
             (entry,) = sent[0]["alive"]
             assert entry[5] == [batch(42)]
             relay.take({**agent_report("node0", time=T0 + 2), "steps": [batch(43)]})
             fail.set()
-            for _ in range(500):
-                if len(sent) > 1:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(sent) > 1, 5.0)
             (entry,) = sent[1]["alive"]
             assert entry[5] == [batch(42), batch(43)] and entry[3][0] == T0 + 2
         finally:
