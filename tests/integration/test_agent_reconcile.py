@@ -112,3 +112,23 @@ def test_warm_spares_sets_how_many_spares_wait_and_zero_starts_workers_on_demand
     agent.want(Idle(nproc_per_node=2))  # unset: one per worker
     agent.loop_once()
     assert len(spares()) == 2
+
+
+def test_a_run_made_for_the_nodes_previous_agent_starts_no_worker(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """A restarted agent's first answer can be the Run its lost predecessor was given (the
+    controller answers a report before its tick sees the new incarnation). Run carries the
+    incarnation it was made for: another agent starts no worker of it, for as long as it
+    holds it; the same Run made for this agent starts its workers."""
+    run = dataclasses.replace(run_state(tmp_path, 0, 0.0), warm_spares=0)
+    agent.want(dataclasses.replace(run, incarnation="lost-agent"))
+    t_end = time.monotonic() + 3.0
+    while time.monotonic() < t_end:
+        agent.loop_once()
+        time.sleep(0.05)
+    assert agent.workers == {} and agent.generation is None
+    assert not (tmp_path / "env0.0").exists()
+    agent.want(dataclasses.replace(run, incarnation=agent.incarnation))
+    until(agent, lambda: (tmp_path / "env0.1").exists(), 120, "both ranks to start")
+    assert agent.generation == 0 and len(agent.workers) == 2

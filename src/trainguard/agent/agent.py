@@ -377,6 +377,10 @@ class Agent:
             # a node that took a rank keeps its copy for the restore, checked for it
             self.prefetch.pause(d.generation if isinstance(d, Run) else None)
         if isinstance(d, Run):
+            if d.incarnation is not None and d.incarnation != self.incarnation:
+                # Made for this node's previous agent, which was lost: its generation is not
+                # this agent's to join (the controller stops it once it sees this incarnation).
+                return False
             gen = d.generation
             if self.generation is not None and self.generation != gen:
                 self._stop_workers(grace_s=1.0)

@@ -93,6 +93,7 @@ def desired_for(
         replica_timeout_s=cfg.replica.quorum_timeout_s,
         run_id=s.run_id,
         run_started=s.run_started,
+        incarnation=obs[node_id].incarnation if node_id in obs else None,
     )
 
 

@@ -159,6 +159,10 @@ class Run:
     # controller drew it (Unix seconds): checkpoint/runid.py
     run_id: str = ""
     run_started: float = 0.0
+    # The agent incarnation (its report's ``incarnation``) this Run was made for; another agent
+    # of the node (restarted: its predecessor was lost) ignores it and waits for a newer desired
+    # state. None: for whichever agent holds it.
+    incarnation: str | None = None
 
 
 Desired = Run | Stop | Idle | Check | Shutdown
@@ -216,6 +220,9 @@ def desired_from_json(body: Any) -> Desired:
         w = args.get("warm_spares")
         _need(w is None or (type(w) is int and w >= 0),
               "desired.warm_spares: null or an integer >= 0")  # fmt: skip
+    if kind is Run:
+        inc = args.get("incarnation")
+        _need(inc is None or isinstance(inc, str), "desired.incarnation: null or a string")
     if kind is Check and "task" in args:
         args["task"] = CheckTask.from_json(args["task"])
     if kind is Run and isinstance(args.get("injects"), list):
