@@ -74,9 +74,8 @@ def test_wire_messages_are_read_typed_and_no_function_is_over_80_lines() -> None
 
 
 def test_ckptd_starts_without_torch() -> None:
-    """ckptd's modules do not import torch: torch and DCP (checkpoint/dcp_part.py) load in a
-    thread beside serving, so a ckptd restarted after a freeze adopts its slots and answers
-    in a fraction of the time a torch import takes."""
+    """ckptd's modules do not import torch: torch and DCP (checkpoint/dcp_part.py) load in one
+    place, ckptd's ``main``, after its PDEATHSIG is set and before it listens."""
     code = "import sys, trainguard.checkpoint.ckptd; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

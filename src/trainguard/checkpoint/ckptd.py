@@ -304,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             return 1
+    # torch and DCP (the durable part's writer) load before ckptd listens: an agent starts its
+    # workers once its ckptd listens, and a first durable part that waited for this import
+    # (seconds on a loaded host) held up the indexing of every snapshot queued behind it (an
+    # in-process recovery then found no checkpoint every rank agreed on). ckptd's own modules
+    # import no torch; this is the one place.
+    importlib.import_module("trainguard.checkpoint.dcp_part")
     d = Ckptd(
         job=args.job,
         node=args.node,
@@ -314,16 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         token=os.environ.get("TRAINGUARD_TOKEN"),
     )
     signal.signal(signal.SIGTERM, lambda *_: d._stop.set())
-    # torch and DCP (the durable part's writer) load beside serving: slots are adopted and
-    # snapshots indexed at once, and the first durable part does not hold up the indexing of
-    # every snapshot behind it for the seconds an import of torch takes on a loaded host (the
-    # persister's import waits on this one, Python's import lock).
-    threading.Thread(
-        target=importlib.import_module,
-        args=("trainguard.checkpoint.dcp_part",),
-        name="dcp-import",
-        daemon=True,
-    ).start()
     log.info(
         "serving %s; %d slot(s) adopted",
         args.node,
