@@ -237,7 +237,8 @@ store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=t)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=t)
 x = torch.ones(1)
 dist.all_reduce(x)
-print(x.item())
+print(x.item(), flush=True)
+dist.destroy_process_group()  # gloo's threads joined before exit (else, at times, SIGABRT)
 """
 
 
