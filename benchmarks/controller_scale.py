@@ -55,6 +55,7 @@ import os
 import random
 import resource
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,7 @@ from node_recovery import wait_until  # beside this file
 
 from trainguard.agent.link import RELAY_RETRY_S, RELAY_TIMEOUT_S, backoff_after
 from trainguard.controller.config import scaled_timing
+from trainguard.relay.server import receive_buffer
 from trainguard.runtime import wire
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,14 +137,19 @@ def _sim(
                 if nid in waiting.get(self.relay, ()) and not fut.done():
                     fut.set_exception(ConnectionRefusedError(f"relay {self.relay}: {exc}"))
 
+    debug: dict[str, Any] | None = {} if os.environ.get("TG_SCALE_DEBUG") else None
+    last_ok: dict[str, tuple[float, str]] | None = {} if debug is not None else None
     waiting: dict[str, set[str]] = {}  # relay → nodes whose alive datagram awaits its ack
     gen_of: dict[str, int | None] = {}  # node → the generation it trains in (step records)
 
     async def alive(nid: str, inc: str, workers: list[int], step: int, to: str) -> dict[str, Any]:
         """As the agent's RoutedLink: an alive datagram to relay ``to``, its ack (2 s)."""
         if to not in udp:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.connect(_host_port(to))
+            receive_buffer(sock)  # a rack's acks arrive together, as at the relay
             udp[to], _ = await asyncio.get_running_loop().create_datagram_endpoint(
-                lambda: Acks(to), remote_addr=_host_port(to)
+                lambda: Acks(to), sock=sock
             )
         fut = asyncio.get_running_loop().create_future()
         acks[nid] = fut
@@ -212,6 +219,8 @@ def _sim(
                     "steps": steps, "memory": {}, "replicas": {}, "time": TIME_MARK,
                     "store": [gen, 29500] if action == "run" and rank == 0 else None,
                 })  # fmt: skip
+            if debug is not None:
+                debug[nid] = (action, version, stopped, routed, acked == key)
             t0, t_wall = time.monotonic(), time.time()
             if routed and via is not None and acked == key:  # only counters moved: a datagram
                 try:
@@ -231,6 +240,8 @@ def _sim(
                 latencies.append((t_wall, time.monotonic() - t0))
                 if i == VICTIM:
                     killed_at.value = time.time()
+                if last_ok is not None:
+                    last_ok[nid] = (time.time(), "datagram")
                 await asyncio.sleep(hb * random.uniform(0.9, 1.1))
                 continue
             body = template.replace(str(STEP_MARK), str(step)).replace(
@@ -242,6 +253,8 @@ def _sim(
                 )
                 latencies.append((t_wall, time.monotonic() - t0))
                 acked, timeouts = (key if routed else None), 0
+                if last_ok is not None:
+                    last_ok[nid] = (time.time(), "relay" if routed else "direct")
                 if (relay_epoch.value and t_wall > relay_epoch.value
                         and seen_relay_epoch != relay_epoch.value):  # fmt: skip
                     seen_relay_epoch = relay_epoch.value
@@ -286,7 +299,35 @@ def _sim(
                 continue
             await asyncio.sleep(hb * random.uniform(0.9, 1.1))
 
+    async def show() -> None:  # TG_SCALE_DEBUG: what the simulated nodes are doing
+        assert debug is not None
+        assert last_ok is not None
+        while not stop.is_set():
+            await asyncio.sleep(2)
+            now = time.time()
+            late = {n: (round(now - t, 1), how) for n, (t, how) in last_ok.items() if now - t > 5}
+            if late:
+                print(
+                    f"sim {os.getpid()}: {len(late)} nodes without an answer for 5 s+, e.g.",
+                    list(late.items())[:5],
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if int(now) % 15 > 1:
+                continue
+            counts: dict[Any, int] = {}
+            for v in debug.values():
+                counts[v] = counts.get(v, 0) + 1
+            print(
+                f"sim {os.getpid()}: (action, version, stopped, routed, acked) counts",
+                sorted(counts.items(), key=lambda kv: -kv[1])[:8],
+                file=sys.stderr,
+                flush=True,
+            )
+
     async def main() -> None:
+        if debug is not None:
+            asyncio.get_running_loop().create_task(show())
         await asyncio.gather(*(node(i) for i in nodes))
         for transport in udp.values():
             transport.close()
@@ -550,6 +591,8 @@ def measure(
             lambda: next((e for e in _events(run) if e["kind"] == "fault"), None),
             timeout_eff * 4 + 60, "the fault decision",
         )  # fmt: skip
+        if fault.get("node_id") != f"n{victim}":  # a false node loss: no figure to give
+            raise SystemExit(f"a node that was not stopped was decided lost: {fault}")
         detect_s = float(fault["t_detected"]) - killed_at.value
 
         def gen1() -> dict[str, Any] | None:
@@ -559,6 +602,7 @@ def measure(
             )  # fmt: skip
 
         g1 = wait_until(gen1, 300, "the standby's generation")
+        g0 = next(e for e in _events(run) if e["kind"] == "generation_started")
         replace_s = float(g1["ts"]) - float(fault["t_detected"])
         stop.set()
         sent: list[tuple[float, float]] = []
@@ -615,7 +659,7 @@ def measure(
             "fault_node": fault["node_id"],
             "detect_after_last_heartbeat_s": round(detect_s, 2),
             "replacement_decided_s": round(replace_s, 2),
-            "replaced_by": g1["assignment"] and sorted(set(g1["assignment"]) - {f"n{victim}"})[-1:],
+            "replaced_by": sorted(set(g1["assignment"]) - set(g0["assignment"])),
             **({"controller_restart": after_restart} if restart else {}),
             **({"relay_kill": relay_kill} if relay_kill is not None else {}),
         }

@@ -159,3 +159,48 @@ def test_decide_replaces_an_evicted_node_at_a_checkpoint_boundary() -> None:
         k == "pool_changed" and d["node"] == "b" and d["reason"].startswith("straggler")
         for k, d in ev
     )
+
+
+def test_leave_one_out_mean_and_deviation_match_the_others_computed_directly() -> None:
+    """The straggler rule's mean and deviation of the *other* ranks, in O(n) (one pass of
+    sums), equal statistics.fmean/pstdev over the others, for spread values, values near a
+    large offset (cancellation) and equal values (deviation exactly 0)."""
+    import math
+    import statistics
+
+    from trainguard.controller.analysis import _leave_one_out
+
+    rng = random.Random(7)
+    cases = [
+        {r: rng.gauss(0.0, 0.01) for r in range(50)},
+        {r: 1e4 + rng.uniform(0, 1e-3) for r in range(30)},
+        {r: 0.005 for r in range(10)},
+        {0: 0.5, 1: 0.0, 2: 0.0},
+    ]
+    for values in cases:
+        for r, x, mean, sd in _leave_one_out(values):
+            others = [v for q, v in values.items() if q != r]
+            assert x == values[r]
+            assert math.isclose(mean, statistics.fmean(others), rel_tol=1e-12, abs_tol=1e-12)
+            assert math.isclose(sd, statistics.pstdev(others), rel_tol=1e-6, abs_tol=1e-9)
+    assert all(sd == 0.0 for *_, sd in _leave_one_out(cases[2]))
+
+
+def test_windows_close_when_the_last_rank_arrives_whatever_the_order_of_reports() -> None:
+    """Ranks report in batches of several steps, in shuffled order; a window is judged once
+    every rank has passed its last step (not before, not later), as a report-by-report
+    rescan of every rank's newest step would judge it."""
+    world, w = 16, CFG.window_steps
+    det = StragglerDetector(CFG)
+    rng = random.Random(3)
+    pending = {r: list(range(1, 5 * w + 1)) for r in range(world)}
+    while any(pending.values()):
+        r = rng.choice([q for q in pending if pending[q]])
+        k = rng.randint(1, 7)
+        take, pending[r] = pending[r][:k], pending[r][k:]
+        windows = det.windows
+        det.add(0, world, r, recs([{"step": s, "dur": 0.02, "gap": 0.01} for s in take]))
+        # windows 1..k are complete when every rank reached (k + 1) * w (step 1 is skipped)
+        low = min(det._newest.values()) if len(det._newest) == world else 0
+        expect = max(0, low // w - 1) if len(det._newest) == world else 0
+        assert det.windows == expect, (det.windows, expect, windows)

@@ -95,6 +95,7 @@ def test_step_records_without_a_report_are_stored_and_seen_by_the_step_detectors
         )
         found = intake.take_steps("node0", [batch], s, Inputs(), 1000.0)
         assert [f.kind for f in found] == ["loss_nonfinite"], found
+        store.flush_steps()  # the controller's, at the end of the uplink that carried them
         rows = store.db.execute("SELECT step FROM steps WHERE rank = 0 ORDER BY step").fetchall()
         assert rows == [(30,), (31,)]
     finally:

@@ -725,3 +725,44 @@ def test_a_workers_field_that_is_not_a_list_is_refused_not_forwarded() -> None:
         assert relay.uplink_body()["alive"] == []
 
     asyncio.run(go())
+
+
+def test_a_node_whose_whole_report_waits_for_a_later_uplink_sends_no_alive_entry_before_it() -> (
+    None
+):
+    """A whole rack acks a stop at once: more whole reports than one uplink carries
+    (UPLINK_REPORTS). A node whose changed report waits for the next uplink and that sends
+    its next heartbeat (same shape) meanwhile must not be sent as an alive entry first: the
+    controller would take the entry's newer time, then drop the whole report as a late copy
+    (``superseded``) and never see the stop acked (4,096 simulated nodes stayed in STOPPING
+    for minutes). Its heartbeat's step records follow its report, in the uplink after."""
+    from trainguard.relay.server import UPLINK_REPORTS
+
+    async def go() -> None:
+        relay = await _relay()
+        nodes = [f"node{i}" for i in range(UPLINK_REPORTS + 1)]
+        for n in nodes:  # each node's shape is known to the relay and the controller
+            relay.take(agent_report(n))
+        relay.uplink_body()
+        last = nodes[-1]
+        acks = {n: agent_report(n, stopped_generation=2, time=T0 + 1) for n in nodes}
+        for n in nodes:  # the stop acked by every node: a changed shape, whole
+            relay.take(acks[n])
+        batch = {"generation": 2, "rank": 0, "items": [{"step": 42, "t_end": T0, "dur": 0.1}]}
+        beat = {**agent_report(last, stopped_generation=2, time=T0 + 2), "steps": [batch]}
+        relay.take(beat)  # its next heartbeat: same shape, an alive entry's worth
+        first = relay.uplink_body()
+        assert len(first["reports"]) == UPLINK_REPORTS
+        assert last not in [r["node_id"] for r in first["reports"]]
+        assert last not in [e[0] for e in first["alive"]]  # not before its whole report
+        second = relay.uplink_body()
+        assert [r["node_id"] for r in second["reports"]] == [last]
+        # What the controller does with them in that order: the ack is taken, not dropped.
+        o = observe(last, protocol.report_from_json(agent_report(last)), None, T0)
+        (report,) = second["reports"]
+        assert not superseded(o, o.incarnation, report["time"])
+        assert report["stopped_generation"] == 2
+        (entry,) = second["alive"]  # after it, in the same uplink: the heartbeat's records
+        assert entry[0] == last and entry[5] == [batch]
+
+    asyncio.run(go())

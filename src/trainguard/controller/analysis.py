@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import math
 import statistics
 from typing import Any
@@ -67,6 +68,7 @@ from typing import Any
 from trainguard.protocol import StepRecord
 
 Event = tuple[str, dict[str, Any]]
+WAITING_SHOWN = 16  # ranks a straggler event lists as waiting for it, longest first
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +101,10 @@ class StragglerDetector:
         self.clean: dict[int, int] = collections.defaultdict(int)  # clean windows in a row
         self.alerted: set[int] = set()
         self.scores: dict[int, float] = {}  # rank → excess own work / step time, newest window
+        self.windows = 0  # windows judged: ``scores`` changed when this grew
+        # Ranks whose newest step is below the next window's last (all seen: the window is
+        # complete). Kept as ranks report, so a report costs O(its items), not O(world).
+        self._behind = 0
 
     def add(self, generation: int, world: int, rank: int, items: list[StepRecord]) -> list[Event]:
         """Take one rank's step records; returns the events of every window now complete."""
@@ -108,10 +114,16 @@ class StragglerDetector:
             self.__init__(self.cfg)  # type: ignore[misc]
             self.generation = generation
         self.world = world
+        w = self.cfg.window_steps
         for it in items:
             step = it.step
             first = self._first.setdefault(rank, step)
-            self._newest[rank] = max(self._newest.get(rank, step), step)
+            old = self._newest.get(rank)
+            self._newest[rank] = max(old if old is not None else step, step)
+            if self._next_window is not None:
+                hi = (self._next_window + 1) * w
+                if old is not None and old < hi <= step:
+                    self._behind -= 1
             if step == first:
                 continue  # includes process start and restore
             comm = it.sections.get("communication", 0.0)
@@ -128,10 +140,11 @@ class StragglerDetector:
             return out  # mean + 2σ of the others needs at least 3 ranks
         if self._next_window is None:
             self._next_window = max(self._first.values()) // w + 1
+            self._count_behind()
         while True:
             k = self._next_window
             lo, hi = k * w + 1, (k + 1) * w
-            if min(self._newest.values()) < hi:
+            if self._behind > 0:
                 return out
             late: dict[int, list[float]] = collections.defaultdict(list)
             comm: dict[int, list[float]] = collections.defaultdict(list)
@@ -161,6 +174,13 @@ class StragglerDetector:
                     hi,
                 )
             self._next_window = k + 1
+            self._count_behind()
+
+    def _count_behind(self) -> None:
+        """Ranks short of the next window's last step (once a window: O(world))."""
+        assert self._next_window is not None
+        hi = (self._next_window + 1) * self.cfg.window_steps
+        self._behind = sum(1 for s in self._newest.values() if s < hi)
 
     def _judge(
         self, late: dict[int, float], comm: dict[int, float], step_s: float, lo: int, hi: int
@@ -168,9 +188,8 @@ class StragglerDetector:
         if len(late) < 3 or step_s <= 0:
             return []
         out: list[Event] = []
-        for r, x in late.items():
-            others = [v for q, v in late.items() if q != r]
-            mean, sd = statistics.fmean(others), statistics.pstdev(others)
+        self.windows += 1
+        for r, x, mean, sd in _leave_one_out(late):
             z = (x - mean) / sd if sd > 0 else (math.inf if x > mean else 0.0)
             frac = x / step_s
             self.scores[r] = round(frac, 3)
@@ -184,7 +203,10 @@ class StragglerDetector:
                     self.alerted.discard(r)
             if self.streak[r] >= self.cfg.persist_windows and r not in self.alerted:
                 self.alerted.add(r)
-                waiting = sorted((q for q in comm if q != r), key=lambda q: -comm[q])
+                # the ranks that waited longest for it (the top WAITING_SHOWN: an event, not
+                # a table of the world)
+                waiting = heapq.nlargest(WAITING_SHOWN, (q for q in comm if q != r),
+                                         key=comm.__getitem__)  # fmt: skip
                 out.append(
                     (
                         "straggler",
@@ -203,6 +225,24 @@ class StragglerDetector:
                     )
                 )
         return out
+
+
+def _leave_one_out(values: dict[int, float]) -> list[tuple[int, float, float, float]]:
+    """(key, value, mean, population standard deviation of the *other* values) for each entry
+    of ``values`` (at least 2), in O(n): from the sums of the values and of their squares,
+    shifted by the overall mean first (so the squares do not cancel). A deviation under 1 ns
+    (the values are seconds) is taken as 0: rounding, not spread."""
+    n = len(values)
+    mu = math.fsum(values.values()) / n
+    s1 = math.fsum(v - mu for v in values.values())
+    s2 = math.fsum((v - mu) ** 2 for v in values.values())
+    out = []
+    for r, x in values.items():
+        y = x - mu
+        m = (s1 - y) / (n - 1)
+        var = (s2 - y * y) / (n - 1) - m * m
+        out.append((r, x, mu + m, math.sqrt(var) if var > 1e-18 else 0.0))
+    return out
 
 
 class AnomalyDetector:

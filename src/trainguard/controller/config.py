@@ -33,11 +33,11 @@ StragglerAction = Literal["alert", "replace"]
 ArchiveCompress = Literal["auto", "off", "zstd", "zstd+shuf4", "zstd+shuf2"]
 
 REPORTS_PER_S = 1000.0  # the agents' report rate the controller is sized for (see below)
-# With relays: the agents' report rate the relays of one machine are sized for; the controller
-# then takes a few uplinks a second per relay (benchmarks/controller_scale.py --relays).
-RELAYED_REPORTS_PER_S = 8192.0
-RELAYED_HEARTBEAT_MAX_S = 2.0  # issue 31: a heartbeat of at most 2 s at any size
-RELAYED_HEARTBEAT_MIN_S = 1.0  # a job big enough for relays needs no faster one
+# With relays: 2 s at any size (issue 31: at most 2 s), so a node is lost after 10 s, 5 missed
+# heartbeats. A faster one finds no lost node sooner (the node timeout is 10 s either way) and
+# doubles what the agents, relays and controller spend on heartbeats: at 4,096 simulated nodes
+# with a 1 s one, this 2-core machine ran out of CPU (benchmarks/controller_scale.py).
+RELAYED_HEARTBEAT_S = 2.0
 
 
 def split_host_port(addr: str) -> tuple[str, str]:
@@ -55,18 +55,12 @@ def scaled_timing(nodes: int, relays: int = 0) -> tuple[float, float]:
 
     Agents reporting directly (``relays`` 0): the heartbeat keeps the controller's report rate
     at about ``REPORTS_PER_S`` (0.5 s up to 500 nodes, then nodes / 1000 s: 4.1 s at 4,096,
-    16.4 s at 16,384). Through relays: the controller takes a few uplinks a second per relay
-    whatever the nodes, so the heartbeat is set by what the relays take, ``nodes /
-    RELAYED_REPORTS_PER_S`` between ``RELAYED_HEARTBEAT_MIN_S`` (1 s) and
-    ``RELAYED_HEARTBEAT_MAX_S`` (2 s at 16,384 nodes; node timeout 10 s). A worker's crash is reported at once whatever the heartbeat
-    (the agent reports an exit immediately); the heartbeat bounds only how fast a silent node
-    (power, network) is found. Measured in ``benchmarks/controller_scale.py``."""
-    if relays > 0:
-        heartbeat = min(
-            RELAYED_HEARTBEAT_MAX_S, max(RELAYED_HEARTBEAT_MIN_S, nodes / RELAYED_REPORTS_PER_S)
-        )
-    else:
-        heartbeat = max(0.5, nodes / REPORTS_PER_S)
+    16.4 s at 16,384). Through relays: ``RELAYED_HEARTBEAT_S`` (2 s, node timeout 10 s) at
+    any size; the controller takes a few uplinks a second per relay whatever the nodes. A
+    worker's crash is reported at once whatever the heartbeat (the agent reports an exit
+    immediately); the heartbeat bounds only how fast a silent node (power, network) is found.
+    Measured in ``benchmarks/controller_scale.py``."""
+    heartbeat = RELAYED_HEARTBEAT_S if relays > 0 else max(0.5, nodes / REPORTS_PER_S)
     return round(heartbeat, 3), round(max(10.0, 5 * heartbeat), 3)
 
 

@@ -111,8 +111,10 @@ class StragglerWatch(_StepDetector):
     def _batch(
         self, generation: int, world: int, rank: int, items: list[StepRecord]
     ) -> list[tuple[str, dict[str, Any]]]:
+        windows = self.det.windows
         events = self.det.add(generation, world, rank, items)
-        self.monitor.on_scores(self.det.scores)
+        if self.det.windows != windows:  # a window judged: new scores (once, not per report)
+            self.monitor.on_scores(self.det.scores)
         return events
 
 

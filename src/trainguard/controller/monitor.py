@@ -11,10 +11,13 @@ import contextlib
 import enum
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from trainguard.controller.jobmetrics import StepFigures
 from trainguard.protocol import StepRecord
@@ -35,6 +38,47 @@ ALERT_KINDS = (
 WEBHOOK_TIMEOUT_S = 5.0
 
 
+class RankCollector(Collector):
+    """The per-rank gauges, made from ``newest`` (rank → its newest step record) and
+    ``scores`` (rank → straggler score) when ``/metrics`` is scraped: ``trainguard_step``,
+    ``trainguard_step_seconds``, ``trainguard_compute_seconds`` (step minus time in
+    collectives), ``trainguard_communication_seconds``, ``trainguard_straggler_score``."""
+
+    def __init__(self) -> None:
+        self.newest: dict[int, StepRecord] = {}
+        self.scores: dict[int, float] = {}
+
+    def collect(self) -> Iterator[Any]:
+        fams = [
+            GaugeMetricFamily("trainguard_step", "Newest step a rank finished", labels=["rank"]),
+            GaugeMetricFamily("trainguard_step_seconds", "Duration of a rank's newest step",
+                              labels=["rank"]),
+            GaugeMetricFamily("trainguard_compute_seconds",
+                              "A rank's newest step minus its time in collectives",
+                              labels=["rank"]),
+            GaugeMetricFamily("trainguard_communication_seconds",
+                              "A rank's time in collectives in its newest step (waiting for "
+                              "peers included)", labels=["rank"]),
+        ]  # fmt: skip
+        for rank, it in sorted(self.newest.items()):
+            comm = it.sections.get("communication", 0.0)
+            label = [str(rank)]
+            fams[0].add_metric(label, it.step)
+            fams[1].add_metric(label, it.duration_s)
+            fams[2].add_metric(label, max(0.0, it.duration_s - comm))
+            fams[3].add_metric(label, comm)
+        yield from fams
+        score = GaugeMetricFamily(
+            "trainguard_straggler_score",
+            "A rank's own work between collectives minus the median rank's, as a fraction of "
+            "the step (median over the newest window)",
+            labels=["rank"],
+        )
+        for rank, v in sorted(self.scores.items()):
+            score.add_metric([str(rank)], v)
+        yield score
+
+
 class Monitor:
     """Feed it step records with ``on_steps`` and straggler scores with ``on_scores`` (the
     metrics), alerts with ``alert``."""
@@ -45,29 +89,11 @@ class Monitor:
         self._tasks: set[asyncio.Task[None]] = set()
         r = self.registry = CollectorRegistry()
         self.figures = StepFigures()  # goodput, rate, save stall (jobmetrics.JobCollector)
-        self.g_step = Gauge("trainguard_step", "Newest step a rank finished", ["rank"], registry=r)
-        self.g_step_s = Gauge(
-            "trainguard_step_seconds", "Duration of a rank's newest step", ["rank"], registry=r
-        )
-        self.g_compute = Gauge(
-            "trainguard_compute_seconds",
-            "A rank's newest step minus its time in collectives",
-            ["rank"],
-            registry=r,
-        )
-        self.g_comm = Gauge(
-            "trainguard_communication_seconds",
-            "A rank's time in collectives in its newest step (waiting for peers included)",
-            ["rank"],
-            registry=r,
-        )
-        self.g_score = Gauge(
-            "trainguard_straggler_score",
-            "A rank's own work between collectives minus the median rank's, as a fraction of "
-            "the step (median over the newest window)",
-            ["rank"],
-            registry=r,
-        )
+        # Per-rank figures: kept in dicts as reports come (a dict store per batch; 131,072
+        # ranks at 16,384 nodes report every heartbeat) and turned into metrics only when
+        # scraped (RankCollector).
+        self.ranks = RankCollector()
+        r.register(self.ranks)
         self.g_loss = Gauge("trainguard_loss", "Newest loss reported by rank 0", registry=r)
         self.c_alerts = Counter("trainguard_alerts", "Alerts raised", ["kind"], registry=r)
         self.c_skipped = Counter(
@@ -102,21 +128,16 @@ class Monitor:
 
     def on_steps(self, rank: int, items: list[StepRecord]) -> None:
         """One rank's step records of the current generation (as agents report them)."""
-        last = max(items, key=lambda it: it.step)
-        self.g_step.labels(rank).set(last.step)
-        self.g_step_s.labels(rank).set(last.duration_s)
-        comm = last.sections.get("communication", 0.0)
-        self.g_comm.labels(rank).set(comm)
-        self.g_compute.labels(rank).set(max(0.0, last.duration_s - comm))
+        last = max(items, key=lambda it: it.step) if len(items) > 1 else items[0]
+        self.ranks.newest[rank] = last
         if rank == 0:
             self.figures.add(items)
             if last.loss is not None:
                 self.g_loss.set(float(last.loss))
 
     def on_scores(self, scores: dict[int, float]) -> None:
-        """The straggler detector's newest score per rank."""
-        for r, score in scores.items():
-            self.g_score.labels(r).set(score)
+        """The straggler detector's newest score per rank (the dict is read when scraped)."""
+        self.ranks.scores = scores
 
     def alert(self, kind: str, data: dict[str, Any]) -> None:
         """Count and keep an alert (for status), and post it to the webhook if one is set."""

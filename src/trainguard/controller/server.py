@@ -276,9 +276,17 @@ class Controller:
                 await runner.cleanup()
 
     # ------------------------------------------------------------------ reports
-    def ingest(self, report: protocol.AgentReport) -> None:
+    def ingest(self, report: protocol.AgentReport, *, flush: bool = True) -> None:
         """Take one report (validated): the intake's facts go to the next tick's inputs, and
-        what the policy does about its detectors' findings with them."""
+        what the policy does about its detectors' findings with them. ``flush``: its step
+        records are written now (a relay uplink writes all of its own once, at its end)."""
+        try:
+            self._ingest(report)
+        finally:
+            if flush:
+                self.store.flush_steps()
+
+    def _ingest(self, report: protocol.AgentReport) -> None:
         now = clock.wall()
         moved, findings = self.intake.take(report, self.state, self._inputs, now)
         if moved:
@@ -329,6 +337,12 @@ class Controller:
         observation (``relays.apply_alive``). Answers ``seq``, the relay's nodes' desired
         states newer than its ``since``, ``resend`` (nodes this controller has no current
         observation of: their next report must come whole) and ``refused`` (node → why)."""
+        try:
+            return self._relay_uplink(body)
+        finally:
+            self.store.flush_steps()  # the uplink's step records, in one transaction
+
+    def _relay_uplink(self, body: dict[str, Any]) -> dict[str, Any]:
         now = clock.wall()
         rid = str(body["relay"])
         if self.relays.seen(rid, str(body["addr"]), now):
@@ -344,7 +358,7 @@ class Controller:
                     continue
                 why = self.clash(report)
                 if why is None:
-                    self.ingest(report)
+                    self.ingest(report, flush=False)
                     self.relays.through(report.node_id, rid)
             except (KeyError, TypeError, ValueError) as e:
                 why = f"malformed report: {e}"

@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS steps (
   t_end REAL NOT NULL, duration_s REAL NOT NULL, loss REAL, tokens INTEGER, sections TEXT,
   PRIMARY KEY (generation, rank, step));
 """
+STEP_ROWS_BUFFERED = 50_000  # step rows held before flush_steps is called
 FORMAT = 2  # the store format this version writes (SQLite user_version)
 
 
@@ -77,6 +78,7 @@ class Store:
         self.db.execute(f"PRAGMA user_version = {FORMAT}")
         end_torn_line(run_dir / "events.jsonl")
         self._jsonl = open(run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._step_rows: list[tuple[Any, ...]] = []  # add_steps's, until flush_steps
 
     def record(self, kind: str, data: dict[str, Any], *, ts: float | None = None) -> dict[str, Any]:
         """Append one event to both logs; returns it as written."""
@@ -98,22 +100,26 @@ class Store:
         return row
 
     def add_steps(self, generation: int, rank: int, items: list[StepRecord]) -> None:
-        self.db.executemany(
-            "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?)",
-            [
-                (
-                    generation,
-                    rank,
-                    it.step,
-                    it.t_end,
-                    it.duration_s,
-                    it.loss,
-                    it.tokens,
-                    json.dumps({**it.sections, "t_coll": it.t_coll, "gap": it.gap}),
-                )
-                for it in items
-            ],
-        )
+        """Buffer one rank's step records; ``flush_steps`` writes them (the controller calls
+        it at the end of each report and relay uplink it takes: one transaction for all the
+        step records of an uplink, not one per rank — at 16,384 nodes, 131,072 ranks report
+        each heartbeat). Past ``STEP_ROWS_BUFFERED`` rows they are written at once."""
+        self._step_rows += [
+            (generation, rank, it.step, it.t_end, it.duration_s, it.loss, it.tokens,
+             json.dumps({**it.sections, "t_coll": it.t_coll, "gap": it.gap}))
+            for it in items
+        ]  # fmt: skip
+        if len(self._step_rows) >= STEP_ROWS_BUFFERED:
+            self.flush_steps()
+
+    def flush_steps(self) -> None:
+        """Write the buffered step records in one transaction."""
+        if not self._step_rows:
+            return
+        rows, self._step_rows = self._step_rows, []
+        with self.db:  # BEGIN … COMMIT (ROLLBACK on an error: none of them, not a part)
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?)", rows)
 
     def put(self, key: str, value: Any) -> None:
         self.db.execute(
@@ -129,6 +135,7 @@ class Store:
         return None if row is None else json.loads(row[0])
 
     def close(self) -> None:
+        self.flush_steps()
         self._jsonl.close()
         self.db.close()
 

@@ -28,6 +28,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
@@ -53,6 +54,14 @@ log = logging.getLogger("trainguard.relay")
 URGENT_S = 0.01  # a whole report waits this long for others to share its uplink
 UPLINK_TIMEOUT_S = 10.0  # one uplink's deadline
 UPLINK_REPORTS = 256  # whole reports in one uplink at most (more: the next one, at once)
+# The alive datagrams' receive buffer. A rack's nodes send a heartbeat's datagrams within
+# a second; while the relay is busy (an uplink's answer, a burst of whole reports) they wait
+# here, and past its size the kernel drops them (each costs its agent an ack timeout, then a
+# direct report). The default (net.core.rmem_default, 208 KiB: ~200 datagrams) dropped 137,000
+# in one run of 4,096 simulated nodes (benchmarks/controller_scale.py); 8 MiB holds a
+# heartbeat of 8,000 nodes.
+RECEIVE_BUFFER_BYTES = 8 << 20
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux's number where Python lacks it
 # Step batches held per node while the controller does not answer (a training rank sends one a
 # heartbeat: minutes of records of a node of 8); older ones are dropped past this.
 STEP_BATCHES_KEPT = 1024
@@ -263,18 +272,20 @@ class Relay:
         """The next uplink: the queued whole reports, an alive entry for each node whose
         latest report arrived since the last uplink and was not forwarded whole."""
         now = time.monotonic()
+        reports = [self._pending.pop(node) for node in list(self._pending)[:UPLINK_REPORTS]]
         alive = []
-        for n in self.nodes.values():
-            if not n.sent:
+        for nid, n in self.nodes.items():
+            # A node whose whole report waits for a later uplink (more than UPLINK_REPORTS
+            # queued: a stop acked by the whole rack) sends no alive entry before it: the
+            # controller would take the entry's newer time, then drop the whole report as a
+            # late copy, and never see what changed (its stop acked). Its step records wait.
+            if not n.sent and nid not in self._pending:
                 if n.alive is not None:  # from a datagram: its own numbers, its age now
                     entry = [*n.alive[:2], round(now - n.t, 3), *n.alive[3:5]]
                     alive.append([*entry, n.steps] if n.steps else entry)
                 else:
                     alive.append(alive_entry(n.report, now - n.t, n.steps))
                 n.sent, n.steps = True, []
-        reports = []
-        for node in list(self._pending)[:UPLINK_REPORTS]:
-            reports.append(self._pending.pop(node))
         if self._pending:
             self._urgent.set()  # the rest in the next uplink, at once
         return {"v": RELAY_PROTOCOL_VERSION, "relay": self.relay_id, "addr": self.addr,
@@ -367,9 +378,12 @@ class Relay:
         await web.TCPSite(runner, host, port, backlog=4096).start()
         bound = runner.addresses[0]
         self.addr = f"{bound[0]}:{bound[1]}"
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((bound[0], bound[1]))  # alive datagrams on the same port number, UDP
+        receive_buffer(sock)
         udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: _Datagrams(self), local_addr=(bound[0], bound[1])
-        )  # alive datagrams on the same port number, UDP
+            lambda: _Datagrams(self), sock=sock
+        )
         print(f"relay listening on {self.addr}", flush=True)
         tasks = [asyncio.create_task(self.uplink_loop()), asyncio.create_task(self.desired_loop())]
         log.info("relay %s serving %s for controller %s", self.relay_id, self.addr, self.controller)
@@ -382,6 +396,17 @@ class Relay:
             await self._session.close()
             await runner.cleanup()
             udp.close()
+
+
+def receive_buffer(sock: socket.socket, size: int = RECEIVE_BUFFER_BYTES) -> int:
+    """Give UDP socket ``sock`` a receive buffer of ``size`` bytes: SO_RCVBUFFORCE (root or
+    CAP_NET_ADMIN: past ``net.core.rmem_max``), else SO_RCVBUF (capped by it). Returns what
+    the kernel granted (it reports twice the size asked, its bookkeeping included)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
+    except OSError:  # not privileged
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
 
 
 class _Datagrams(asyncio.DatagramProtocol):
