@@ -103,7 +103,7 @@ class HttpApi:
                 [
                     web.get("/v1/view", self._view_json),
                     web.get("/", self._page),
-                    web.get(self._dash.script_path, self._plotly),
+                    web.get(self._dash.script_path, self._script),
                 ]
             )
         return app
@@ -262,7 +262,7 @@ class HttpApi:
     async def _no_icon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)  # browsers ask; nothing to log
 
-    async def _plotly(self, request: web.Request) -> web.Response:
+    async def _script(self, request: web.Request) -> web.Response:
         assert self._dash is not None
         return web.Response(
             body=self._dash.script(),
