@@ -49,6 +49,13 @@ def test_bad_flags(tmp_path: Path, args: list[str], needle: str) -> None:
         (["run", "--standby", "two"], "argument --standby: invalid int value: 'two'"),
         (["run", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        # a typo: the flag, command or value meant (difflib's close match)
+        (["run", "--nprocs-per-node", "2"], "--nprocs-per-node; did you mean --nproc-per-node?"),
+        (["run", "--nodes", "1", "--inejct", "kill:rank=0:step=3"], "did you mean --inject?"),
+        (["rnu"], "invalid choice: 'rnu' (choose from 'run', "),
+        (["rnu"], "; did you mean run?"),
+        (["run", "--preflight", "quik"], "; did you mean quick?"),
+        (["report", "--run-dir", ".", "--jsno"], "did you mean --json?"),
     ],
 )
 def test_argparse_errors_are_one_line_too(tmp_path: Path, args: list[str], needle: str) -> None:

@@ -190,7 +190,8 @@ def test_host_sigkill_is_replaced_by_the_standby(job: Job, reference: dict[int, 
     # and the restore falls back, correctly, to the durable tier.)
     for pid in job.hosts.pids(victim):
         with contextlib.suppress(psutil.NoSuchProcess):
-            if "trainguard.agent.spare" in " ".join(psutil.Process(pid).cmdline()):
+            cmd = " ".join(psutil.Process(pid).cmdline())  # a rank's title, or a spare's
+            if cmd.startswith("trainguard rank ") or "trainguard.agent.spare" in cmd:
                 os.kill(pid, signal.SIGSTOP)
     time.sleep(1.5)
     assert job.hosts.kill_all(victim)

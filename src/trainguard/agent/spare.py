@@ -94,6 +94,7 @@ def main() -> None:
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])
     mode = spec.get("mode", "script")  # script | module (python -m) | exec (--no-python)
+    _title(spec["argv"], spec["env"])
     if mode == "exec":
         _exec(spec["argv"], spec["error_file"])
     script = spec["argv"][0]
@@ -115,6 +116,27 @@ def main() -> None:
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def title_of(argv: list[str], env: dict[str, str]) -> str:
+    """What ``ps`` shows for a rank's worker: ``trainguard rank 1/4 (local 1, gen 0) train.py
+    --lr 3e-4 [run RUN_ID]`` (``argv``: the script and its arguments as started; ``env``: the
+    worker's environment). Its environment in ``/proc/PID/environ`` is the spare's, from
+    before it was handed the rank, so the title is where a person finds rank 1's pid."""
+    what = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else "?"
+    return (
+        f"trainguard rank {env.get('RANK', '?')}/{env.get('WORLD_SIZE', '?')} "
+        f"(local {env.get('LOCAL_RANK', '?')}, gen {env.get('TRAINGUARD_GENERATION', '?')}) "
+        f"{what[:200]} [run {env.get('TORCHELASTIC_RUN_ID', '?')}]"
+    )
+
+
+def _title(argv: list[str], env: dict[str, str]) -> None:
+    """Set this process's title (``title_of``) with setproctitle, which rewrites the argv
+    area ``ps`` reads (``/proc/PID/cmdline``) and the thread name (``/proc/PID/comm``)."""
+    import setproctitle
+
+    setproctitle.setproctitle(title_of(argv, env))
 
 
 def _exec(argv: list[str], error_file: str) -> None:

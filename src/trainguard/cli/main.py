@@ -8,6 +8,8 @@ status 2, before any process starts.
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import signal
 import socket
 import sqlite3
@@ -87,7 +89,33 @@ class _Parser(argparse.ArgumentParser):
     whole usage text (a wrong flag among a job's many scrolls the reason off the screen)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hint = self._did_you_mean(message)
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """'; did you mean --x?' for a mistyped flag or command (difflib's close matches
+        among this parser's and its subcommands' flags, or the choices offered)."""
+        if m := re.match(r"unrecognized arguments: (.*)", message):
+            known = self._flags()
+            words = [w.split("=", 1)[0] for w in m.group(1).split() if w.startswith("-")]
+        elif m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            known, words = re.findall(r"'([^']*)'", m.group(2)), [m.group(1)]
+        else:
+            return ""
+        hints = [(w, close[0]) for w in words
+                 if (close := difflib.get_close_matches(w, known, n=1, cutoff=0.6))]  # fmt: skip
+        if len(words) == 1 and hints:
+            return f"; did you mean {hints[0][1]}?"
+        return f"; did you mean {', '.join(f'{c} (for {w})' for w, c in hints)}?" if hints else ""
+
+    def _flags(self) -> list[str]:
+        """Every option string of this parser and of its subcommands' parsers."""
+        out = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    out += list(sub._option_string_actions)
+        return out
 
 
 Flag = tuple[tuple[str, ...], dict[str, Any]]  # names, add_argument keywords

@@ -47,6 +47,7 @@ from trainguard.controller.server import Controller
 from trainguard.controller.store import Store
 from trainguard.faults.inject import parse_inject
 from trainguard.health.judge import CheckConfig
+from trainguard.observe.console import plural
 from trainguard.observe.html import DASHBOARD
 from trainguard.observe.statusline import StatusLine, job_line
 from trainguard.observe.tee import Tee, parse_ranks
@@ -430,6 +431,13 @@ async def _run(
     controller_info(Path(cfg.run_dir), host, port)  # status, check
     log.info("controller on %s:%d; run dir %s", host, port, cfg.run_dir)
     log.info("dashboard: http://%s:%d/ (token: %s/%s)", host, port, cfg.run_dir, VIEW_TOKEN)
+    if cfg.preflight.level != "off":
+        log.info(
+            "pre-flight checks (%s level: host health, GEMM speed and correctness, collective "
+            "bandwidth, a short training run) on every node before the first step, typically "
+            '15-20 s; skip them with --preflight off or preflight = "off" in the config',
+            cfg.preflight.level,
+        )
     cluster.start()
     done = asyncio.ensure_future(controller.wait_done())
     shown = 0.0
@@ -498,11 +506,11 @@ def finish(cfg: JobConfig, state: JobState, sig: int) -> int:
     if state.phase == Phase.SUCCEEDED:
         n, faults = len(rep["recoveries"]), len(rep["faults"])
         local = len(rep["local"]["recoveries"])
-        how = f"{n} recovery(ies)"
+        how = plural(n, "recovery", "recoveries")
         if faults > n:  # a fault during a recovery: one recovery answered both
             how += f" from {faults} faults"
         if local:
-            how += f" and {local} replica group restart(s) (local recovery)"
+            how += f" and {plural(local, 'replica group restart')} (local recovery)"
         print(
             f"trainguard: job succeeded after {how}; report: trainguard report --run-dir "
             f"{cfg.run_dir}",

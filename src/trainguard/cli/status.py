@@ -110,8 +110,9 @@ def status_command(args: argparse.Namespace) -> int:
             f"\n  {'node':10s} {'addr':16s} {'pool':8s} {'rank':>4s} {'seen':>6s} {'gen':>4s}  workers"
         )
         for node, n in st["nodes"].items():
-            workers = " ".join(
-                f"r{r}:{w['state']}@{w['step']}" for r, w in sorted(n["workers"].items())
+            workers = " ".join(  # rank, its state and step, its pid (to kill or attach)
+                f"r{r}:{w['state']}@{w['step']}" + (f"/pid {w['pid']}" if w.get("pid") else "")
+                for r, w in sorted(n["workers"].items(), key=lambda rw: int(rw[0]))
             )
             rank = "-" if n["node_rank"] is None else str(n["node_rank"])
             gen = "-" if n["generation"] is None else str(n["generation"])

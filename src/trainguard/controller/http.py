@@ -233,7 +233,10 @@ class HttpApi:
                 "node_rank": self.ctl.state.assignment.get(n),
                 "last_seen_s": round(now - o.last_seen, 3),
                 "generation": o.generation,
-                "workers": {r: {"state": w.state, "step": w.step} for r, w in o.workers.items()},
+                "workers": {
+                    r: {"state": w.state, "step": w.step, "pid": w.pid}
+                    for r, w in o.workers.items()
+                },
                 "health": list(o.health_problems) or "ok",
                 "preflight": (
                     None

@@ -20,3 +20,8 @@ def console(*, stderr: bool = False) -> Console:
 def styled(*parts: str | tuple[str, str]) -> Text:
     """``Text`` from plain strings and ``(text, style)`` pairs, none of it parsed."""
     return Text.assemble(*parts)
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the word: "1 recovery", "2 recoveries" (``many``: one + "s" if not given)."""
+    return f"{n} {one if n == 1 else many or one + 's'}"

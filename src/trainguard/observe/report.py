@@ -21,8 +21,8 @@ from rich.table import Table
 from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.store import open_readonly, read_events, read_kv
 from trainguard.faults.inject import InjectSpec
-from trainguard.observe import local
-from trainguard.observe.console import console, styled
+from trainguard.observe import goodput, local
+from trainguard.observe.console import console, plural, styled
 from trainguard.observe.processes import processes
 
 PHASES = RECOVERY_PHASES
@@ -93,9 +93,8 @@ def _load(
         state = read_kv(db, "state") or {}
         events = read_events(db)
         cfg = read_kv(db, "config") or {}
-        rows = db.execute(
-            "SELECT step, duration_s, generation FROM steps s WHERE rank = 0 AND generation = "
-            "(SELECT MAX(generation) FROM steps t WHERE t.rank = 0 AND t.step = s.step) ORDER BY step"
+        rank0 = db.execute(
+            "SELECT generation, step, duration_s, sections FROM steps WHERE rank = 0 ORDER BY t_end"
         ).fetchall()
     finally:
         db.close()
@@ -106,20 +105,8 @@ def _load(
         events = events[starts[-1] :]
         first = next((e["generation"] for e in events if e["kind"] == "generation_started"), None)
         if first is not None:
-            rows = [r for r in rows if r[2] >= first]
-    return state, events, cfg, rows, runs
-
-
-def _wall_time(events: list[dict[str, Any]]) -> tuple[float | None, float]:
-    """When the job started (None: it never did) and its wall time, to its end or its last
-    event."""
-    t0 = next((e["ts"] for e in events if e["kind"] == "job_started"), None)
-    t1 = next(
-        (e["ts"] for e in reversed(events) if e["kind"] == "job_ended"),
-        events[-1]["ts"] if events else None,
-    )
-    wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
-    return t0, wall
+            rank0 = [r for r in rank0 if r[0] >= first]
+    return state, events, cfg, rank0, runs
 
 
 def _drills(
@@ -247,15 +234,12 @@ def _recoveries(
 
 def build_report(run_dir: Path) -> dict[str, Any]:
     """The report as a dict (the ``--json`` output). Raises FileNotFoundError for a non-run dir."""
-    state, events, cfg, rows, runs = _load(run_dir)
-    t0, wall = _wall_time(events)
-    productive = sum(d for _, d, _ in rows)
+    state, events, cfg, rank0, runs = _load(run_dir)
+    t0, _ = goodput.wall_span(events)
+    # (step, seconds, generation) of each step counted once; the breakdown the job page shows
+    rows = [(step, dur, gen) for gen, step, dur, _ in goodput.counted(rank0)]
+    spent = goodput.breakdown(rank0, events, state)
     first_gen = next((e["ts"] for e in events if e["kind"] == "generation_started"), None)
-    preflight_s = sum(
-        float(e.get("stage_s", {}).get("total") or 0.0)
-        for e in events
-        if e["kind"] == "preflight_finished" and (first_gen is None or e["ts"] <= first_gen)
-    )
     drills, unseen = _drills(state, cfg, rows, first_gen)
     faults, recoveries = _faults(state)
     alerts = [
@@ -275,10 +259,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "generations": sum(e["kind"] == "generation_started" for e in events),
         "steps_completed": [r[0] for r in rows],
         "last_step": rows[-1][0] if rows else None,
-        "wall_time_s": wall,
-        "productive_step_time_s": productive,
-        "preflight_s": preflight_s,
-        "goodput": (productive / (wall - preflight_s)) if rows and wall > preflight_s else None,
+        "wall_time_s": spent["wall_s"],
+        "productive_step_time_s": spent["productive_s"],
+        "preflight_s": spent["preflight_s"],
+        "goodput": spent["ratio"],
         "drills": drills,
         "unseen": unseen,
         "faults": faults,
@@ -470,7 +454,8 @@ def _print_faults(con: Console, rep: dict[str, Any]) -> None:
         con.print(
             "faults: none"
             if not local
-            else f"faults: none that stopped the job ({local} replica group restart(s) below)"
+            else f"faults: none that stopped the job ({plural(local, 'replica group restart')} "
+            "below)"
         )
     faults = Table(title=f"faults: {len(rep['faults'])}")
     for col in ("gen", "cause", "rank", "node", "step", "message"):
@@ -525,6 +510,14 @@ def _tiers_cell(tiers: dict[str, int]) -> str:
     )
 
 
+RECOVERY_LEGEND = (
+    "kept/new: worker processes kept / started (in-process recovery); restore: the step "
+    "resumed from; from: ranks restored from each tier (mem: their node's shared memory, "
+    "replica: a peer node's copy, disk: the durable tier, archive: object storage); lost: "
+    "steps run again"
+)
+
+
 def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
     """One row per recovery on a wide terminal; on a narrow one (a pipe, 80 columns) one
     column per recovery, the phases down the side, as many recoveries a table as fit."""
@@ -551,6 +544,8 @@ def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
         for row in rows:
             rec.add_row(*row)
         con.print(rec)
+        if rows:
+            con.print(RECOVERY_LEGEND, style="dim")
         return
     per = max(1, (con.width - 20) // 16)  # recovery columns that fit beside the phase names
     for i in range(0, len(rows), per):
@@ -562,6 +557,7 @@ def _print_recoveries(con: Console, recoveries: list[dict[str, Any]]) -> None:
         for j, head in enumerate(heads[1:], start=1):
             rec.add_row(head, *(row[j] for row in part))
         con.print(rec)
+    con.print(RECOVERY_LEGEND, style="dim")
 
 
 def _print_preflight(con: Console, rep: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from trainguard.controller.api import RECOVERY_PHASES
 from trainguard.controller.jobstate import pool_lists
 from trainguard.controller.monitor import ALERT_KINDS
 from trainguard.controller.store import open_readonly, read_events, read_kv
-from trainguard.observe import local
+from trainguard.observe import goodput, local
 from trainguard.observe.processes import processes
 from trainguard.protocol import StepRecord
 
@@ -58,7 +58,7 @@ def build_view(run_dir: Path, *, max_points: int = 2000) -> dict[str, Any]:
         first = next((e["generation"] for e in events if e["kind"] == "generation_started"), None)
         if first is not None:
             rows = [r for r in rows if r[0] >= first]
-    t0 = events[0]["ts"] if events else None
+    t0, _ = goodput.wall_span(events)
     t1 = events[-1]["ts"] if events else None
     rank0 = [r for r in rows if r[1] == 0]
     kept: dict[int, tuple[Any, ...]] = {}  # step → its newest generation's record (rank 0)
@@ -66,6 +66,7 @@ def build_view(run_dir: Path, *, max_points: int = 2000) -> dict[str, Any]:
         if r[2] not in kept or r[0] >= kept[r[2]][0]:
             kept[r[2]] = r
     steps = [kept[s] for s in sorted(kept)]
+    spent = goodput.breakdown([(r[0], r[2], r[4], r[7]) for r in rank0], events, state)
     loss = [[r[2], r[5]] for r in steps if r[5] is not None]
     throughput = [
         [r[2], (r[6] / r[4]) if r[6] else (1.0 / r[4]), r[3]] for r in steps if r[4] and r[4] > 0
@@ -98,7 +99,7 @@ def build_view(run_dir: Path, *, max_points: int = 2000) -> dict[str, Any]:
         "stragglers": _stragglers(rows, cfg, max_points),
         "recoveries": _recoveries(state, events),
         "checkpoints": _tiers(events),
-        "goodput": _goodput(rank0, kept, state, t0, t1, _preflight_s(events)),
+        "goodput": spent,  # as trainguard report computes it (observe/goodput.py)
         "alerts": [e for e in events if e["kind"] in ALERT_KINDS][-50:],
     }
 
@@ -197,48 +198,3 @@ def _tiers(events: list[dict[str, Any]]) -> dict[str, Any]:
         steps = [e.get("step") for e in events if e["kind"] == kind and e.get("step") is not None]
         newest[tier] = max(steps) if steps else None
     return newest
-
-
-def _preflight_s(events: list[dict[str, Any]]) -> float:
-    """Seconds of pre-flight checks before the first generation (as ``trainguard report``
-    counts them: not against goodput)."""
-    first = next((e["ts"] for e in events if e["kind"] == "generation_started"), None)
-    return sum(
-        float(e.get("stage_s", {}).get("total") or 0.0)
-        for e in events
-        if e["kind"] == "preflight_finished" and (first is None or e["ts"] <= first)
-    )
-
-
-def _goodput(
-    rank0: list[tuple[Any, ...]],
-    kept: dict[int, tuple[Any, ...]],
-    state: dict[str, Any],
-    t0: float | None,
-    t1: float | None,
-    preflight: float,
-) -> dict[str, float]:
-    """Seconds of the run's wall time: pre-flight checks before the first generation (not
-    counted against goodput, as in ``trainguard report``), productive steps, steps computed
-    again after a restore (recomputation), recoveries (fault to first resumed step), time in
-    checkpoint saves (the ``checkpoint`` section: the step's stall), and the rest (start-up,
-    rendezvous of the first generation, the end). ``ratio``: productive over wall time less
-    pre-flight, the report's goodput (ETTR) figure."""
-    wall = (t1 - t0) if t0 is not None and t1 is not None else 0.0
-    ckpt = sum(float(json.loads(r[7] or "{}").get("checkpoint", 0.0)) for r in kept.values())
-    productive = sum(r[4] for r in kept.values() if r[4]) - ckpt
-    redone = sum(r[4] for r in rank0 if r[4] and kept.get(r[2]) is not r)
-    recs = [*state.get("recoveries", []), *([state["recovery"]] if state.get("recovery") else [])]
-    recovery = sum((r.get("durations_s") or {}).get("total") or 0.0 for r in recs)
-    other = max(0.0, wall - preflight - productive - redone - recovery - ckpt)
-    counted = wall - preflight
-    return {
-        "wall_s": wall,
-        "ratio": max(0.0, productive) / counted if counted > 0 else 0.0,
-        "preflight_s": preflight,
-        "productive_s": max(0.0, productive),
-        "recomputation_s": redone,
-        "recovery_s": recovery,
-        "checkpoint_s": ckpt,
-        "other_s": other,
-    }
