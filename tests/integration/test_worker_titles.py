@@ -50,6 +50,10 @@ def test_status_lists_each_ranks_pid_and_the_pid_is_titled_with_its_rank(tmp_pat
             title = " ".join(psutil.Process(int(pid)).cmdline())
             assert title.startswith(f"trainguard rank {rank}/2 (local {rank}, gen 0) "), title
             assert "train.py --n-embd 32" in title and f"[run {run.name}]" in title, title
+            # The environment the agent's leftover check reads is whole (the title did not
+            # spill into it).
+            env = psutil.Process(int(pid)).environ()
+            assert env.get("TRAINGUARD_NODE_ID") == "node0" and env.get("TRAINGUARD_AGENT_PID")
         os.kill(int(pids["1"]), signal.SIGKILL)  # the pid a user found: the job recovers
         wait_for(lambda: any(e["kind"] == "recovery_completed" for e in events(run)), 180,
                  "the recovery from rank 1's SIGKILL")  # fmt: skip

@@ -39,6 +39,11 @@ from typing import Any
 
 from trainguard.runtime.process import die_with_parent
 
+# The spare's last argument, ignored: room in its argv area for the rank's title (``_title``).
+# setproctitle writes the title there; with SPT_NOENV it never spills into the environment
+# area, which must stay readable: the agent's leftover check and the chaos runner find a job's
+# processes by their environment (/proc/PID/environ), and a longer title would erase it.
+TITLE_ROOM = "--title-room=" + "." * 300
 EXIT_JOIN_S = 60.0  # how long a finished script's non-daemon threads may run on
 # Imported before the spare is handed a rank: torch itself (~1.3 s on a 2-core CPU) and
 # what a distributed training script imports next (DCP alone is ~0.8 s).
@@ -75,6 +80,15 @@ def write_error_file(path: str, exc: BaseException) -> None:
 
 def main() -> None:
     die_with_parent(int(os.environ.get("TRAINGUARD_AGENT_PID", "0")) or os.getppid())
+    # setproctitle takes over the argv area at its first call, which must come before the
+    # environment is replaced (after os.environ.clear() it can no longer find the area, and
+    # the rank's title would silently not be set): the waiting spare's title, now. SPT_NOENV:
+    # the title stays in the argv area (TITLE_ROOM), the environment area is left whole.
+    os.environ["SPT_NOENV"] = "1"
+    import setproctitle
+
+    argv = [a for a in sys.orig_argv if a != TITLE_ROOM]
+    setproctitle.setproctitle(" ".join(argv) + " (warm spare, waiting for a rank)")
     for name in WARM_MODULES:  # the point of a spare: pay these imports before the fault
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
@@ -133,7 +147,8 @@ def title_of(argv: list[str], env: dict[str, str]) -> str:
 
 def _title(argv: list[str], env: dict[str, str]) -> None:
     """Set this process's title (``title_of``) with setproctitle, which rewrites the argv
-    area ``ps`` reads (``/proc/PID/cmdline``) and the thread name (``/proc/PID/comm``)."""
+    area ``ps`` reads (``/proc/PID/cmdline``) and the thread name (``/proc/PID/comm``;
+    ``main`` made its first call)."""
     import setproctitle
 
     setproctitle.setproctitle(title_of(argv, env))

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import psutil
 
+from trainguard.agent.spare import TITLE_ROOM
 from trainguard.protocol import WorkerReport, clock
 from trainguard.protocol.worker import Heartbeat
 
@@ -159,7 +160,7 @@ class SparePool:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainguard.agent.spare"],
+            [sys.executable, "-m", "trainguard.agent.spare", TITLE_ROOM],
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=self._log,
