@@ -105,3 +105,27 @@ def test_an_oversized_or_unauthenticated_report_is_refused(
     assert _post(controller, huge.encode())[0] == 413
     got, text = _post(controller, json.dumps(GOOD).encode())
     assert got == 200 and "desired" in json.loads(text)
+
+
+def test_the_health_probe_answers_without_a_token_and_says_nothing_of_the_job(
+    controller: tuple[str, int, str],
+) -> None:
+    """``GET /healthz`` (Kubernetes' liveness and readiness probes, deploy/k8s): 200 with the
+    phase and the decision loop's tick age while it ticks, no token needed; the job's data
+    still needs one. A process frozen (SIGSTOP) does not answer at all: the probe times out,
+    which is the liveness signal (tests/unit/test_k8s_manifests.py checks the probes)."""
+    host, port, _ = controller
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/healthz")
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200 and body["ok"] is True, body
+        assert body["phase"] == "PENDING" and 0 <= body["tick_age_s"] < 5, body
+        assert set(body) == {"ok", "phase", "tick_age_s"}
+        conn.request("GET", "/v1/status")
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 401
+    finally:
+        conn.close()

@@ -278,6 +278,13 @@ def _reading_parsers(sub: Any) -> None:
     t.add_argument("--token-file", type=Path, default=None, help="default RUN_DIR/token")
     t.add_argument("--json", action="store_true")
 
+    o = sub.add_parser("stop", help="a planned stop of a live job: snapshots saved, then stopped")
+    o.add_argument("--controller", default=None, metavar="HOST:PORT")
+    o.add_argument("--run-dir", type=Path, default=None)
+    o.add_argument("--token-file", type=Path, default=None, help="default RUN_DIR/token")
+    o.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for the job to end (default: return at once)")  # fmt: skip
+
     c = sub.add_parser("ckpt", help="list, verify or export a run's checkpoints")
     c.add_argument("action", choices=["ls", "verify", "export"])
     c.add_argument("--run-dir", type=Path, required=True)
@@ -373,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.cli.status import status_command
 
             return status_command(args)
+        if args.cmd == "stop":
+            from trainguard.cli.status import stop_command
+
+            return stop_command(args)
         if args.cmd == "relay":
             from trainguard.relay.server import main as relay_main
 

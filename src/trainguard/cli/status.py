@@ -1,4 +1,5 @@
-"""``trainguard status``: a live job's phase, the five node lists and each node's state.
+"""``trainguard status``: a live job's phase, the five node lists and each node's state;
+``trainguard stop``: a planned stop of a live job.
 
 Asks the controller (``--controller HOST:PORT``, or the address a controller left in
 ``RUN_DIR/controller.json``) with the job token; when no controller answers and a run
@@ -50,19 +51,68 @@ def _token(args: argparse.Namespace) -> str:
         ) from None
 
 
-def status_command(args: argparse.Namespace) -> int:
+def _controller(args: argparse.Namespace) -> str | None:
+    """``--controller``, else the address the run dir's controller left (None: no file)."""
     if args.controller is None and args.run_dir is None:
         raise ValueError("pass --controller HOST:PORT or --run-dir DIR")
-    controller = args.controller
+    if args.controller is not None:
+        return str(args.controller)
+    info = args.run_dir / "controller.json"
+    if not info.is_file():
+        return None
+    try:
+        return str(json.loads(info.read_text())["addr"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(
+            f"{info} is not a controller address file; pass --controller HOST:PORT"
+        ) from None
+
+
+def stop_command(args: argparse.Namespace) -> int:
+    """``trainguard stop``: ask the controller for a planned stop (its workers' newest
+    snapshots persisted to the durable tier, then every process stopped: what SIGTERM to
+    ``trainguard run`` or ``controller`` does) and, with ``--wait S``, wait up to S seconds for
+    the job to end. Kubernetes' preStop hook of the controller (deploy/k8s). Exit status 0
+    once asked (and ended, with --wait); raises ValueError naming the fix when no controller
+    answers or the wait runs out."""
+    controller = _controller(args)
     if controller is None:
-        info = args.run_dir / "controller.json"
-        if info.is_file():
-            try:
-                controller = str(json.loads(info.read_text())["addr"])
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(
-                    f"{info} is not a controller address file; pass --controller HOST:PORT"
-                ) from None
+        raise ValueError(f"{args.run_dir}: no controller.json (no job runs here); "
+                         "pass --controller HOST:PORT")  # fmt: skip
+    token = _token(args)
+    req = urllib.request.Request(f"http://{controller}/v1/stop", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            resp.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise ValueError(f"controller {controller} refused the token; pass --token-file "
+                             "of this job") from None  # fmt: skip
+        raise ValueError(f"controller {controller} answered {e.code} to the stop") from None
+    except OSError as e:
+        raise ValueError(
+            f"controller {controller} unreachable ({e}); is the job running?"
+        ) from None
+    print(f"trainguard: stop requested from {controller}", flush=True)
+    if args.wait <= 0:
+        return 0
+    deadline = time.monotonic() + args.wait
+    phase = "?"
+    while time.monotonic() < deadline:
+        try:
+            phase = str(fetch(controller, token)["phase"])
+        except (OSError, urllib.error.URLError, KeyError, ValueError):
+            return 0  # the controller exited: the job ended (its store says how)
+        if phase in {p.value for p in Phase if p.terminal}:
+            print(f"trainguard: the job is {phase}", flush=True)
+            return 0
+        time.sleep(0.5)
+    raise ValueError(f"the job is still {phase} after {args.wait:g}s; see trainguard status")
+
+
+def status_command(args: argparse.Namespace) -> int:
+    controller = _controller(args)
     st: dict[str, Any] | None = None
     source = "live"
     if controller is not None:

@@ -55,7 +55,11 @@ if TYPE_CHECKING:
     from trainguard.controller.server import Controller
 
 log = logging.getLogger("trainguard.controller")
-PUBLIC = frozenset({"/", "/favicon.ico"})  # and the page's script: no data in them
+# The page, its script and the health probe: no job data in them.
+PUBLIC = frozenset({"/", "/favicon.ico", "/healthz"})
+# A controller whose decision loop has not ticked for this long is not live (it ticks every
+# 0.1-1 s; a tick at 16,384 nodes takes well under a second: benchmarks/decide_scale.py).
+HEALTH_TICK_S = 60.0
 READ_ONLY = frozenset({"/v1/view", "/v1/status", "/metrics"})  # the view token's reach
 
 
@@ -96,6 +100,7 @@ class HttpApi:
                 web.get("/v1/check", self._check_get),
                 web.get("/metrics", self._metrics),
                 web.get("/favicon.ico", self._no_icon),
+                web.get("/healthz", self._healthz),
             ]
         )
         if self._dash is not None:
@@ -261,6 +266,16 @@ class HttpApi:
     async def _page(self, request: web.Request) -> web.Response:
         assert self._dash is not None  # routed only with a dashboard
         return web.Response(text=self._dash.page(), content_type="text/html", charset="utf-8")
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        """Liveness and readiness (Kubernetes probes; no token): 200 while decisions are being
+        taken (the last tick less than ``HEALTH_TICK_S`` ago, or the job ended), else 503.
+        Answering at all says the event loop runs; the tick's age, that the decision loop
+        does."""
+        age = self.ctl.tick_age_s()
+        ok = age < HEALTH_TICK_S or self.ctl.state.phase.terminal
+        body = {"ok": ok, "phase": self.ctl.state.phase.value, "tick_age_s": round(age, 3)}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def _no_icon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)  # browsers ask; nothing to log

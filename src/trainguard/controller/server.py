@@ -570,6 +570,10 @@ class Controller:
         self._full_publish = True
         self.publish()
 
+    def tick_age_s(self) -> float:
+        """Seconds since the decision loop last ticked (monotonic clock)."""
+        return time.monotonic() - self._last_tick
+
     def alive(self, node_id: str, now: float) -> bool:
         o = self.obs.get(node_id)
         return o is not None and is_alive(o, now, self.cfg)  # the rule decide uses
