@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from trainguard.agent.agent import AgentConfig
 from trainguard.agent.env import worker_env
 from trainguard.protocol import CkptConf, Run
@@ -43,3 +45,29 @@ def test_a_worker_gets_torchrun_s_variables_and_the_runtime_s(tmp_path: Path) ->
     assert env[rt_api.ENV_HEARTBEAT_S] == str(rt_api.DEFAULT_HEARTBEAT_S)  # local beat stays fast
     assert env[rt_api.ENV_REPLICA_SOURCE] == "127.0.0.3:4100"
     assert env[rt_api.ENV_MEMORY_TIER] == "1" and env[rt_api.ENV_CKPTD]
+
+
+def test_one_thread_per_worker_only_when_several_share_the_node_and_nccl_errors_abort(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's rules: ``OMP_NUM_THREADS=1`` for several workers per node, torch's default
+    for a lone one; ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless the user set it. The user's
+    own ``OMP_NUM_THREADS`` always wins."""
+    import dataclasses
+
+    cfg = AgentConfig(
+        controller="127.0.0.1:1", token="ab", node_id="node1", addr="127.0.0.3", run_dir=tmp_path
+    )
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    alone = dataclasses.replace(RUN, nproc_per_node=1, node_rank=0, world_size=2)
+    assert worker_env(cfg, RUN, 0, report_port=1, job_id="j")["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in worker_env(cfg, alone, 0, report_port=1, job_id="j")
+    assert (
+        worker_env(cfg, RUN, 0, report_port=1, job_id="j")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    for run in (RUN, alone):
+        env = worker_env(cfg, run, 0, report_port=1, job_id="j")
+        assert env["OMP_NUM_THREADS"] == "3" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"

@@ -179,6 +179,8 @@ class Agent:
         )  # fmt: skip
         # Spares carry the run dir so that every process of a job can be attributed to it.
         spare_env = {**self._base_env(), rt_api.ENV_RUN_DIR: str(cfg.run_dir.resolve())}
+        if "OMP_NUM_THREADS" not in os.environ:  # a spare imports torch with its own default;
+            spare_env.pop("OMP_NUM_THREADS", None)  # the rank's environment sets it (spare.py)
         self.launcher = launcher or ProcessLauncher(spare_env, self._spare_log)
         self.group = WorkerGroup(self.launcher, self._event)
         self.inproc = InProcessStops(self.group, self._sock, self._token, self._event)

@@ -51,8 +51,16 @@ def worker_env(
     gen, nproc = d.generation, d.nproc_per_node
     rank = d.node_rank * nproc + local_rank
     run_dir = str(cfg.run_dir.resolve())
+    env = base_env(cfg)
+    if nproc == 1 and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun's rule: one thread per worker only when several share the node; a lone
+        # worker keeps torch's default (every core).
+        env.pop("OMP_NUM_THREADS", None)
+    # As torchrun's agent sets it: NCCL errors and timeouts abort the process group (the
+    # rank exits, the fault is seen) instead of leaving a collective hung. The user's wins.
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return {
-        **base_env(cfg),
+        **env,
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(d.world_size),

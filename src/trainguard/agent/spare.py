@@ -92,6 +92,8 @@ def main() -> None:
     for name in WARM_MODULES:  # the point of a spare: pay these imports before the fault
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    if "torch" in sys.modules:  # what a plain ``import torch`` here gives a rank
+        _DEFAULT_THREADS.append(int(sys.modules["torch"].get_num_threads()))
     line = sys.stdin.readline()
     if not line:
         return
@@ -181,11 +183,14 @@ def _run_as_main(script: str) -> None:
 
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_DEFAULT_THREADS: list[int] = []  # torch's intra-op threads at the spare's import
 _SPARE: list[types.ModuleType] = []
 
 
 def _apply_thread_env() -> None:
-    """Set torch's intra-op threads as ``import torch`` would have from this environment."""
+    """Set torch's intra-op threads as ``import torch`` would have from this environment:
+    ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``), else torch's own default, as the spare's
+    import found it (the agent starts spares without either unless the user set them)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
@@ -194,6 +199,8 @@ def _apply_thread_env() -> None:
         if value.isdigit() and int(value) > 0:
             torch.set_num_threads(int(value))
             return
+    if _DEFAULT_THREADS:
+        torch.set_num_threads(_DEFAULT_THREADS[0])
 
 
 def _reapply_thread_env_on_torch_import() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import re
 import signal
 import socket
@@ -359,31 +360,27 @@ def _token(path: Path) -> str:
     return token
 
 
+# Commands that are one function of their arguments: (module, function), imported when run
+# (``import trainguard`` stays cheap: torch is imported only by those that need it).
+_COMMANDS = {
+    "run": ("trainguard.cli.run", "run_command"),
+    "controller": ("trainguard.cli.controller", "controller_command"),
+    "check": ("trainguard.cli.check", "check_command"),
+    "status": ("trainguard.cli.status", "status_command"),
+    "stop": ("trainguard.cli.status", "stop_command"),
+    "chaos": ("trainguard.cli.chaos", "chaos_command"),
+    "ckpt": ("trainguard.cli.ckpt", "main"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd in _PRINTING:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
-        if args.cmd == "run":
-            from trainguard.cli.run import run_command
-
-            return run_command(args)
-        if args.cmd == "controller":
-            from trainguard.cli.controller import controller_command
-
-            return controller_command(args)
-        if args.cmd == "check":
-            from trainguard.cli.check import check_command
-
-            return check_command(args)
-        if args.cmd == "status":
-            from trainguard.cli.status import status_command
-
-            return status_command(args)
-        if args.cmd == "stop":
-            from trainguard.cli.status import stop_command
-
-            return stop_command(args)
+        if args.cmd in _COMMANDS:  # a module's function of args, imported when used
+            module, name = _COMMANDS[args.cmd]
+            return int(getattr(importlib.import_module(module), name)(args))
         if args.cmd == "relay":
             from trainguard.relay.server import main as relay_main
 
@@ -413,14 +410,6 @@ def main(argv: list[str] | None = None) -> int:
                     relay=args.relay,
                 )
             )
-        if args.cmd == "chaos":
-            from trainguard.cli.chaos import chaos_command
-
-            return chaos_command(args)
-        if args.cmd == "ckpt":
-            from trainguard.cli.ckpt import main as ckpt_main
-
-            return ckpt_main(args)
         from trainguard.observe import report
 
         if args.cmd == "events":
