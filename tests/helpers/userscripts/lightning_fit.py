@@ -1,7 +1,8 @@
-"""A PyTorch Lightning script as users write them, with trainguard's one line
-(``trainguard.integrations.lightning.fit(trainer, model, ...)`` instead of ``trainer.fit``).
-A small LightningModule (dropout: the RNG matters), AdamW with a step LR schedule, DDP over
-gloo on CPU. Rank 0 appends ``step loss`` lines to LOSSES_FILE.
+"""A PyTorch Lightning script as users write them, with trainguard's plugin and callback
+passed to ``Trainer`` (nothing else changes: ``trainer.fit`` resumes by itself) and its
+stateful ``ResumableDataLoader`` for a mid-epoch resume. A small LightningModule (dropout:
+the RNG matters), AdamW with a step LR schedule, DDP over gloo on CPU. Rank 0 appends
+``step loss`` lines to LOSSES_FILE. ``--plain``: no trainguard (the reference run).
 
     trainguard run --nproc-per-node 2 lightning_fit.py ROOT_DIR LOSSES_FILE [--plain]
 """
@@ -35,13 +36,23 @@ class Net(pl.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)]
 
 
-def data():
+def data(loader=torch.utils.data.DataLoader):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 16, generator=g)
-    return torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True
+    return loader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8,
+                  shuffle=True)
+
+
+extra = {}
+if not plain:
+    from trainguard.integrations.lightning import (
+        ResumableDataLoader,
+        TrainguardCallback,
+        TrainguardCheckpointIO,
     )
 
+    io = TrainguardCheckpointIO()
+    extra = {"plugins": [io], "callbacks": [TrainguardCallback(io)]}
 
 pl.seed_everything(0)
 model = Net()
@@ -52,13 +63,12 @@ trainer = pl.Trainer(
     strategy="ddp",
     default_root_dir=root,
     logger=False,
-    enable_checkpointing=False,
+    # TrainguardCallback is a Checkpoint callback, which Lightning refuses beside
+    # enable_checkpointing=False: on (its ModelCheckpoint writes a file at the end, through
+    # trainguard's plugin to Lightning's own CheckpointIO).
+    enable_checkpointing=not plain,
     enable_progress_bar=False,
     enable_model_summary=False,
+    **extra,
 )
-if plain:
-    trainer.fit(model, train_dataloaders=data())
-else:
-    import trainguard.integrations.lightning
-
-    trainguard.integrations.lightning.fit(trainer, model, train_dataloaders=data())
+trainer.fit(model, train_dataloaders=data() if plain else data(ResumableDataLoader))
