@@ -39,8 +39,9 @@ class Net(pl.LightningModule):
 def data(loader=torch.utils.data.DataLoader):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 16, generator=g)
-    return loader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8,
-                  shuffle=True)
+    return loader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True
+    )
 
 
 extra = {}
