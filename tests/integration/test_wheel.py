@@ -5,6 +5,7 @@ recovered, and writes the HTML report. Nothing of this checkout is imported by t
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,13 @@ from tests.conftest import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+# Without tests/conftest.py's PYTHONPATH (this checkout's src first): the venv's own install.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                         env=CLEAN_ENV)  # fmt: skip
     assert res.returncode == 0, f"{cmd}: {res.stderr[-3000:]}"
     return res
 
