@@ -70,3 +70,17 @@ def synthetic_run(run: Path, steps: int, ranks: int = 8) -> Path:
                     "assignment": {"node0": 0, "node1": 1}, "recoveries": [recovery]})  # fmt: skip
     s.close()
     return run
+
+
+def html_report(run: Path, out: Path, timeout: float = 300.0) -> str:
+    """``trainguard report --run-dir RUN --html OUT`` in a process of its own, as users run it;
+    the file's text (AssertionError with its stderr if the command fails)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", "--run-dir", str(run), "--html", str(out)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return out.read_text()

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_CONFIG, ROOT, TINY, events, finish_job, start_job, wait_for
 from tests.helpers.browser import chromium, dom, screenshot
+from tests.helpers.rundir import html_report, synthetic_run
 from tests.helpers.s3server import free_port
 
 ARTIFACTS = Path(os.environ.get("TRAINGUARD_ARTIFACTS", "/tmp/trainguard-artifacts"))
@@ -119,12 +120,7 @@ def test_metrics_dashboard_and_html_report_show_a_recovery(tmp_path: Path) -> No
     assert code == 128 + signal.SIGTERM, err[-2000:]
     # The post-mortem: one self-contained file, opened from disk with no server.
     report = tmp_path / "report.html"
-    res = subprocess.run(
-        [sys.executable, "-m", "trainguard", "report", "--run-dir", str(run), "--html", str(report)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    text = report.read_text()
+    text = html_report(run, report, timeout=120)
     assert "<script src=" not in text and "<link" not in text  # nothing fetched: works offline
     html, log = dom(report.as_uri())
     body = _body(html)
@@ -144,15 +140,9 @@ def test_the_html_report_of_a_10000_step_job_renders_offline(tmp_path: Path) -> 
     """Issue 32: the report of a 10,000-step job (tests/helpers/rundir.py; its size:
     tests/unit/test_html_report.py), opened from disk by Chromium: every chart drawn, the
     loss thinned to 2,001 points, the recovery on its timeline, no script error."""
-    from tests.helpers.rundir import synthetic_run
-
     run = synthetic_run(tmp_path / "run", steps=10_000)
     report = tmp_path / "report.html"
-    res = subprocess.run(
-        [sys.executable, "-m", "trainguard", "report", "--run-dir", str(run), "--html", str(report)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
+    html_report(run, report)
     html, log = dom(report.as_uri())
     body = _body(html)
     assert body["errors"] == "0" and "Uncaught" not in log, log[-2000:]
