@@ -215,3 +215,24 @@ def test_a_run_dir_of_a_newer_format_is_refused_and_left_as_it_was(tmp_path: Pat
     db.close()
     res = _run("report", "--run-dir", str(run_dir))
     assert res.returncode == 0, res.stderr
+
+
+def test_an_agent_advertising_a_loopback_address_to_a_remote_controller_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Debian's ``hostname -i`` is 127.0.1.1: an agent that advertised it would join a
+    controller on another host and never be reached. Refused before anything starts, with the
+    fix; a loopback address beside a loopback controller (one machine) is fine."""
+    token = tmp_path / "token"
+    token.write_text("ab" * 16)
+    run_dir = tmp_path / "run"
+    res = _run("agent", "--controller", "10.0.0.5:8470", "--token-file", str(token),
+               "--advertise-addr", "127.0.1.1", "--run-dir", str(run_dir))  # fmt: skip
+    assert res.returncode == 2
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("trainguard: error: --advertise-addr 127.0.1.1 is a loopback address")
+    assert "hostname -I" in line and not run_dir.exists()
+    from trainguard.cli.main import check_advertise
+
+    check_advertise("127.0.0.1:8470", "127.0.0.2")  # simulated hosts on one machine
+    check_advertise("10.0.0.5:8470", "10.0.0.7")

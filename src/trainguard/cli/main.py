@@ -8,6 +8,7 @@ status 2, before any process starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import re
@@ -360,6 +361,29 @@ def _token(path: Path) -> str:
     return token
 
 
+def check_advertise(controller: str, addr: str) -> None:
+    """Refuse an ``--advertise-addr`` that the controller's host cannot reach: a loopback
+    address (127.0.0.0/8, ::1) while the controller is not on loopback. Debian's
+    ``hostname -i`` gives 127.0.1.1 (its /etc/hosts entry for the hostname), so a script that
+    advertises ``$(hostname -i)`` would join and never be reached. Raises ValueError with the
+    fix."""
+    import ipaddress
+
+    def loopback(host: str) -> bool:
+        with contextlib.suppress(ValueError):
+            return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost"
+
+    ctl_host = controller.rpartition(":")[0] or controller
+    if loopback(addr) and not loopback(ctl_host):
+        raise ValueError(
+            f"--advertise-addr {addr} is a loopback address, which the controller at "
+            f"{controller} and the other hosts cannot reach (Debian's hostname -i gives "
+            "127.0.1.1); pass this host's address on their network, e.g. "
+            "$(hostname -I | cut -d' ' -f1)"
+        )
+
+
 # Commands that are one function of their arguments: (module, function), imported when run
 # (``import trainguard`` stays cheap: torch is imported only by those that need it).
 _COMMANDS = {
@@ -398,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             from trainguard.agent.agent import main as agent_main
 
             token = _token(args.token_file)
+            check_advertise(args.controller, args.addr)
             return agent_main(
                 AgentConfig(
                     controller=args.controller,
