@@ -71,3 +71,25 @@ def test_one_thread_per_worker_only_when_several_share_the_node_and_nccl_errors_
     for run in (RUN, alone):
         env = worker_env(cfg, run, 0, report_port=1, job_id="j")
         assert env["OMP_NUM_THREADS"] == "3" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_simulated_nodes_on_one_machine_share_its_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``trainguard run --nodes N`` simulates N hosts on this one: the agent's torchrun rule
+    (a lone worker takes every core) would oversubscribe it, so the agents it starts get
+    ``OMP_NUM_THREADS`` = cores over workers, unless the user set it."""
+    from trainguard.cli.run import Cluster
+    from trainguard.controller.config import JobConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+
+    def omp(nodes: int, nproc: int) -> str:
+        cfg = JobConfig.from_fields(script="x.py", run_dir=str(tmp_path), nodes=nodes,
+                                    nproc_per_node=nproc)  # fmt: skip
+        return Cluster(cfg, "127.0.0.1:1", tmp_path / "token")._env()["OMP_NUM_THREADS"]
+
+    assert (omp(1, 1), omp(2, 1), omp(2, 2), omp(4, 4)) == ("8", "4", "2", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert omp(2, 1) == "3"

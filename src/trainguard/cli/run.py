@@ -294,10 +294,21 @@ class Cluster:
             stdout=n.log,
             stderr=n.log,
             start_new_session=True,
-            # Simulated nodes share this machine's cores: one GEMM thread each in pre-flight.
-            env={**os.environ, "TRAINGUARD_CHECK_THREADS": "1"},
+            env=self._env(),
         )
         n.down_since = None
+
+    def _env(self) -> dict[str, str]:
+        """The simulated nodes share this machine's cores: one GEMM thread each in pre-flight,
+        and, unless the user set ``OMP_NUM_THREADS``, each worker this machine's cores over
+        the job's workers (the agent's torchrun rule, one thread only with several workers
+        per node, assumes a host of its own: two one-worker nodes here would each take every
+        core)."""
+        env = {**os.environ, "TRAINGUARD_CHECK_THREADS": "1"}
+        if "OMP_NUM_THREADS" not in os.environ:
+            workers = max(1, self.cfg.nodes * int(self.cfg.nproc_per_node))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+        return env
 
     def start(self) -> None:
         (Path(self.cfg.run_dir) / "logs").mkdir(parents=True, exist_ok=True)
