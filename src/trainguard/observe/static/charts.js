@@ -88,7 +88,7 @@ const TG = (() => {
     const bottom = legend(svg, w, h, series) + (o.xTitle ? 30 : 18);
     const xs = series.flatMap(s => s.x), ys = series.flatMap(s => s.y).filter(v => Number.isFinite(v));
     if (!ys.length) { svg.replaceChildren(); note(svg, w, h, o.note || "no data yet"); return; }
-    const X = ticks(Math.min(...xs), Math.max(...xs), Math.max(2, Math.floor(w / 110)));
+    const X = ticks(Math.min(...xs), Math.max(...xs), Math.max(4, Math.floor(w / 110)));
     const Y = ticks(Math.min(...ys), Math.max(...ys), 5);
     const left = 12 + CHAR_W * Math.max(...Y.ticks.map(t => fmt(t).length)) + (o.yTitle ? 14 : 0);
     const pw = w - left - 12, ph = h - bottom - 8;
@@ -153,7 +153,7 @@ const TG = (() => {
     const left = Math.min(w * 0.45, 10 + CHAR_W * longest);
     const ends = rows.flatMap(r => r.segments.map(s => s.base + s.width));
     const starts = rows.flatMap(r => r.segments.map(s => s.base));
-    const X = ticks(Math.min(...starts), Math.max(...ends), Math.max(2, Math.floor((w - left) / 110)));
+    const X = ticks(Math.min(...starts), Math.max(...ends), Math.max(4, Math.floor((w - left) / 110)));
     const pw = w - left - 12, ph = h - bottom - 8, band = ph / rows.length;
     const sx = v => left + (v - X.lo) / (X.hi - X.lo) * pw;
     for (const t of X.ticks) {
