@@ -69,8 +69,8 @@ from node_recovery import wait_until  # beside this file
 
 from trainguard.agent.link import RELAY_RETRY_S, RELAY_TIMEOUT_S, backoff_after
 from trainguard.controller.config import scaled_timing
-from trainguard.relay.server import receive_buffer
 from trainguard.runtime import wire
+from trainguard.runtime.wire import receive_buffer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "train.py"

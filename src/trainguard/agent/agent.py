@@ -168,7 +168,7 @@ class Agent:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((cfg.addr, 0))
         self._sock.setblocking(False)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        wire.receive_buffer(self._sock, 4 << 20)  # its workers' beats and messages
         self.report_port = self._sock.getsockname()[1]
         self._spare_log = open(cfg.run_dir / "logs" / f"spares.{cfg.node_id}.log", "ab")  # noqa: SIM115
         self.job_id = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]

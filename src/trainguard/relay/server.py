@@ -49,19 +49,12 @@ from trainguard.protocol.relay import (
 )
 from trainguard.protocol.report import _WORKER_FIELDS, _fits
 from trainguard.runtime import wire
+from trainguard.runtime.wire import receive_buffer
 
 log = logging.getLogger("trainguard.relay")
 URGENT_S = 0.01  # a whole report waits this long for others to share its uplink
 UPLINK_TIMEOUT_S = 10.0  # one uplink's deadline
 UPLINK_REPORTS = 256  # whole reports in one uplink at most (more: the next one, at once)
-# The alive datagrams' receive buffer. A rack's nodes send a heartbeat's datagrams within
-# a second; while the relay is busy (an uplink's answer, a burst of whole reports) they wait
-# here, and past its size the kernel drops them (each costs its agent an ack timeout, then a
-# direct report). The default (net.core.rmem_default, 208 KiB: ~200 datagrams) dropped 137,000
-# in one run of 4,096 simulated nodes (benchmarks/controller_scale.py); 8 MiB holds a
-# heartbeat of 8,000 nodes.
-RECEIVE_BUFFER_BYTES = 8 << 20
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux's number where Python lacks it
 # Step batches held per node while the controller does not answer (a training rank sends one a
 # heartbeat: minutes of records of a node of 8); older ones are dropped past this.
 STEP_BATCHES_KEPT = 1024
@@ -396,17 +389,6 @@ class Relay:
             await self._session.close()
             await runner.cleanup()
             udp.close()
-
-
-def receive_buffer(sock: socket.socket, size: int = RECEIVE_BUFFER_BYTES) -> int:
-    """Give UDP socket ``sock`` a receive buffer of ``size`` bytes: SO_RCVBUFFORCE (root or
-    CAP_NET_ADMIN: past ``net.core.rmem_max``), else SO_RCVBUF (capped by it). Returns what
-    the kernel granted (it reports twice the size asked, its bookkeeping included)."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
-    except OSError:  # not privileged
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
-    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
 
 
 class _Datagrams(asyncio.DatagramProtocol):
