@@ -7,6 +7,8 @@ import sys
 
 MANIFEST = "manifest.json"  # per step: file sizes and CRC-32C checksums, written before commit
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's global metadata file
+# snapshot header field of a trainguard.dcp save: the entry keys DCP's plan has this rank write
+DCP_WRITES = "dcp_writes"
 PER_RANK_KEY = "per_rank"  # values under this key are saved separately for every rank
 # {shard id: value}: state of a data-parallel shard (its data position), saved by the rank
 # that runs the shard and restored to whichever rank runs it after the world changed.

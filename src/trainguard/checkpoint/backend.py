@@ -47,6 +47,9 @@ class LocalBackend:
     def alloc(self, rank: int, nbytes: int) -> tuple[Path, ...]:
         paths = snapshot.slot_paths(self.shm_dir, self.job, self.node, rank)
         for p in paths:
+            if p not in self.paths:  # a dead process's slot (killed before close): not ours
+                p.unlink(missing_ok=True)
+                snapshot.sums_path(p).unlink(missing_ok=True)
             snapshot.create_slot(p, nbytes)
         self.paths = list(paths)
         return paths

@@ -152,25 +152,46 @@ class Checkpointer:
         self.wait_staged()
         if durable is None:
             durable = self.durable_every > 0 and step % self.durable_every == 0
-        if self._run is None:
-            self._run = runid.identify()
         if not self.memory_tier:
+            if self._run is None:
+                self._run = runid.identify()
             self._save_sync(step, state)
             return
-        rank, world = rank_world()
-        backend = self._connect()
-        if self._pool is None:
-            self._pool = SlotPool(lambda n: backend.alloc(rank, n), self._rt.keepalive)
+        rank = rank_world()[0]
         with gc_paused():
             flat = state_mod.flatten(state, rank, paths=False)  # paths only when re-planning
             blob = state_mod.pack_objects(self._codec.encode(flat.objects))
+        got = self._lease(step, flat, len(blob), lambda: state_mod.flatten(state, rank), durable)
+        if got is None:
+            return
+        lease, meta = got
+        self._stage(
+            lease, list(flat.tensors.values()), blob, meta, lambda: self._staged(lease, meta)
+        )
+
+    def _lease(
+        self,
+        step: int,
+        flat: state_mod.Flat,
+        nblob: int,
+        replan: Callable[[], state_mod.Flat],
+        durable: bool,
+    ) -> tuple[Lease, dict[str, Any]] | None:
+        """A slot for ``flat`` (and an object blob of ``nblob`` bytes) and the snapshot's header
+        fields; None when every slot is still being persisted and this step is skipped
+        (``max_skipped``). Shared with ``trainguard.dcp``'s writer."""
+        rank, world = rank_world()
+        if self._run is None:
+            self._run = runid.identify()
+        backend = self._connect()
+        if self._pool is None:
+            self._pool = SlotPool(lambda n: backend.alloc(rank, n), self._rt.keepalive)
         lease = self._pool.acquire(
-            flat, len(blob), lambda: state_mod.flatten(state, rank),
-            wait=durable or self._skipped >= self.max_skipped,
-        )  # fmt: skip
+            flat, nblob, replan, wait=durable or self._skipped >= self.max_skipped
+        )
         if lease is None:
             self._skip(step, rank)
-            return
+            return None
         self._skipped = 0
         meta = {
             "step": step,
@@ -181,13 +202,23 @@ class Checkpointer:
             "time": time.time(),
             **self._run.to_json(),  # who writes its durable part (runid.py)
         }
+        return lease, meta
 
-        def staged() -> None:  # after the copy: the persister takes it from here
-            backend.staged(rank, lease.slot.path, step, self._rt.generation, durable)
-            if durable:
-                self._last_durable = step
+    def _staged(self, lease: Lease, meta: dict[str, Any]) -> None:
+        """After the copy and the header: the persister takes the snapshot from here."""
+        assert self._backend is not None
+        step, durable = int(meta["step"]), bool(meta["durable"])
+        self._backend.staged(int(meta["rank"]), lease.slot.path, step, int(meta["generation"]),
+                             durable)  # fmt: skip
+        if durable:
+            self._last_durable = step
 
-        self._stage(lease, list(flat.tensors.values()), blob, meta, staged)
+    def _publish(self, lease: Lease, blob: bytes, meta: dict[str, Any]) -> None:
+        """Write the header of a slot whose tensors are copied, and hand it to the persister
+        (``trainguard.dcp``'s writer: the copy was made when DCP staged the state)."""
+        assert self._pool is not None
+        self._pool.publish(lease, blob, meta)
+        self._staged(lease, meta)
 
     def _inject_sdc(self, step: int, state: dict[str, Any]) -> None:
         """An injected silent corruption of this step's state (tests, drills), if armed."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint import fingerprint, snapshot, storage
-from trainguard.checkpoint.api import own_key
+from trainguard.checkpoint.api import DCP_WRITES, own_key
 from trainguard.checkpoint.runid import RunIdentity
 
 log = logging.getLogger("trainguard.persister")
@@ -426,10 +426,16 @@ class Persister:
                 # Objects stay the worker's torch.save bytes: no user class is imported here.
                 objects = {k: dcp_part.Opaque(v) for k, v in dcp_part.unpack_objects(blob).items()}
                 shards = h.get("shards", {})
-                tensors = {  # each chunk of a sharded tensor is written by one rank only
-                    k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]
-                }
-                if rank != 0:  # DCP semantics: replicated state is persisted once, from rank 0
+                writes = h.get(DCP_WRITES)
+                if writes is not None:  # trainguard.dcp: DCP's own plan chose what this rank writes
+                    keep = set(writes)
+                    tensors = {k: v for k, v in tensors.items() if k in keep}
+                    objects = {k: v for k, v in objects.items() if k in keep}
+                else:
+                    tensors = {  # each chunk of a sharded tensor is written by one rank only
+                        k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]
+                    }
+                if rank != 0 and writes is None:  # replicated state is persisted once, by rank 0
                     tensors = {k: v for k, v in tensors.items() if own_key(k, rank) or k in shards}
                     objects = {k: v for k, v in objects.items() if own_key(k, rank)}
                 t0 = time.time()

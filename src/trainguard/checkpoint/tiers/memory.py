@@ -50,13 +50,13 @@ def has_slot(rk: RankSide, point: Point) -> bool:
     return any(h is not None and (h["step"], h["generation"]) == point for h in heads)
 
 
-def read_verified(
-    rk: RankSide, state: dict[str, Any], point: Point, paths: Sequence[Path] | None = None
-) -> bool:
-    """Restore ``point`` from the rank's slot holding it (among ``paths``, default the rank's
-    slots named by the environment): ckptd's check of the slot for this restart (usually
-    done while the workers started), else the slot's checksums here. A corrupt slot is
-    dropped from ckptd's index (the next restore point skips it)."""
+def verified_slot(
+    rk: RankSide, point: Point, paths: Sequence[Path] | None = None
+) -> tuple[Path, dict[str, Any], dict[str, list[int]] | None] | None:
+    """The slot holding ``point`` among ``paths`` (default: the rank's slots named by the
+    environment), its header, and the checksums to check while it is read: None when ckptd
+    verified it for this restart already (usually done while the workers started). None
+    when no slot holds it, or ckptd found it corrupt (an event; dropped from its index)."""
     from trainguard.checkpoint import snapshot
     from trainguard.checkpoint.backend import CkptdBackend
 
@@ -70,7 +70,7 @@ def read_verified(
         elif not reply.ok or reply.slot is None:
             if reply.slot is not None:  # corrupt: ckptd dropped it from its index
                 rk.emit("ckpt_corrupt", step=step, tier="memory", problems=[reply.problem])
-            return False
+            return None
         else:
             verified = Path(reply.slot).name
     for path in slot_paths(rk) if paths is None else paths:
@@ -80,17 +80,29 @@ def read_verified(
         sums = None if path.name == verified else snapshot.read_sums(path, step, gen)
         if sums is None and path.name != verified:
             continue
-        try:
-            read_slot(rk, state, path, h, sums)
-        except CheckpointCorruptError as e:
-            rk.emit("ckpt_corrupt", step=step, tier="memory", problems=[str(e)])
-            backend.forget(path)  # out of the memory index: the next restore point skips it
-            return False
-        except CheckpointError as e:  # the snapshot does not fit this state: use DCP's
-            rk.emit("ckpt_memory_mismatch", step=step, problem=str(e))
-            return False
-        return True
-    return False
+        return path, h, sums
+    return None
+
+
+def read_verified(
+    rk: RankSide, state: dict[str, Any], point: Point, paths: Sequence[Path] | None = None
+) -> bool:
+    """Restore ``point`` from the rank's slot holding it (``verified_slot``). A corrupt slot
+    is dropped from ckptd's index (the next restore point skips it)."""
+    found = verified_slot(rk, point, paths)
+    if found is None:
+        return False
+    path, h, sums = found
+    try:
+        read_slot(rk, state, path, h, sums)
+    except CheckpointCorruptError as e:
+        rk.emit("ckpt_corrupt", step=point[0], tier="memory", problems=[str(e)])
+        rk.backend().forget(path)  # out of the memory index: the next restore point skips it
+        return False
+    except CheckpointError as e:  # the snapshot does not fit this state: use DCP's
+        rk.emit("ckpt_memory_mismatch", step=point[0], problem=str(e))
+        return False
+    return True
 
 
 def read_slot(

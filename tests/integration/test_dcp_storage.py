@@ -1,0 +1,228 @@
+"""``torch.distributed.checkpoint`` through trainguard's tiers (``trainguard.dcp``).
+
+A trainer written the torchtitan way (tests/helpers/userscripts/titan_shaped.py: FSDP2,
+Statefuls, ``dcp.async_save`` on its own gloo group) runs under ``trainguard run``; rank 1 is
+SIGKILLed mid-run; every rank restores the agreed step through ``trainguard.dcp.Reader``
+from the memory tier, and the losses equal, step for step, those of a run with no fault. The
+same script under plain torchrun resumes from the durable tier, which plain ``dcp.load``
+reads as well. The save and load paths are exercised in one process too: a sync
+``dcp.save``, an async one, a resharded load re-planned against the durable step, a corrupt
+snapshot found while copying, and a missing step."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.conftest import FAST_CONFIG, ROOT, events, trainguard_cmd, wait_for, worker_pid
+
+SCRIPT = ROOT / "tests" / "helpers" / "userscripts" / "titan_shaped.py"
+STEPS = 16
+
+
+def _losses(text: str) -> dict[int, str]:
+    """step → loss as printed (repr: bit for bit); a re-run step's last line counts."""
+    return {int(s): x for s, x in re.findall(r"step (\d+) loss (\S+)", text)}
+
+
+def _torchrun(cwd: Path, steps: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(SCRIPT), str(steps), "2"],
+        capture_output=True, text=True, timeout=240, cwd=cwd,
+        env={**os.environ, "TRAINGUARD_SHM_DIR": str(cwd)},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    d = tmp_path_factory.mktemp("titan_clean")
+    out = _torchrun(d, STEPS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = _losses(out.stdout)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+def _rank0_log(run: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run / "logs").glob("rank0.gen*.log")))
+
+
+def test_kill_9_restores_through_dcp_from_memory_with_the_same_losses(
+    tmp_path: Path, fault_free: dict[int, str]
+) -> None:
+    (tmp_path / "job.toml").write_text(FAST_CONFIG)
+    run = tmp_path / "run"
+    cmd = trainguard_cmd(
+        "run", "--run-dir", run, "--config", tmp_path / "job.toml", "--nproc-per-node", "2",
+        SCRIPT, str(STEPS), "2",
+    )  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)  # fmt: skip
+    try:
+        pid = worker_pid(run, 1)
+        wait_for(lambda: 7 in _losses(_rank0_log(run)), 120, "step 7")
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert _losses(_rank0_log(run)) == fault_free  # bit for bit, every step
+    loads = [e for e in events(run) if e["kind"] == "ckpt_load_end"]
+    assert {e["rank"] for e in loads} == {0, 1}, loads
+    assert {e["tier"] for e in loads} == {"memory"}, loads  # ckptd kept the snapshots
+    assert {e["step"] for e in loads} == {loads[0]["step"]} and loads[0]["step"] >= 6
+    assert all(e.get("via") == "dcp" for e in loads)
+
+
+def test_plain_torchrun_resumes_from_the_durable_step_that_plain_dcp_reads(
+    tmp_path: Path, fault_free: dict[int, str]
+) -> None:
+    first = _torchrun(tmp_path, 8)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _torchrun(tmp_path, STEPS)  # resumes from step 8, the newest verified
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "rank 1 restored step 8 from checkpoints (DCP)" in second.stderr
+    assert {**_losses(first.stdout), **_losses(second.stdout)} == fault_free
+    md = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_16")).read_metadata()
+    assert md.state_dict_metadata["model.tok_embeddings.weight"].size == torch.Size([64, 32])
+    assert {"dataloader.dp_rank_0", "dataloader.dp_rank_1"} <= set(md.state_dict_metadata)
+
+
+# ------------------------------------------------------------------ one process
+
+
+def _one_process(tmp_path: Path, body: str) -> str:
+    code = (
+        "import os, warnings, torch, torch.distributed.checkpoint as dcp, trainguard.dcp as tgd\n"
+        "warnings.filterwarnings('ignore')\n"
+        "from trainguard.checkpoint.checkpointer import Checkpointer\n"
+        f"ck = Checkpointer({str(tmp_path / 'ck')!r})\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 4))\n"
+        "state = {'model': m.state_dict(), 'extra': {'epoch': 3, 'tag': 'x'}}\n"
+        "def fresh():\n"
+        "    return {'model': {k: torch.zeros_like(v) for k, v in m.state_dict().items()},\n"
+        "            'extra': {'epoch': 0, 'tag': ''}}\n"
+        "def same(a):\n"
+        "    return all(torch.equal(a['model'][k], v) for k, v in m.state_dict().items()) \\\n"
+        "        and a['extra'] == {'epoch': 3, 'tag': 'x'}\n" + body + "ck.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TRAINGUARD_SHM_DIR": str(tmp_path)}, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_sync_and_async_saves_restore_from_memory_and_durable(tmp_path: Path) -> None:
+    out = _one_process(
+        tmp_path,
+        "dcp.save(state, storage_writer=tgd.Writer(checkpointer=ck), checkpoint_id='run/step-5')\n"
+        "dcp.async_save(state, storage_writer=tgd.Writer(7, checkpointer=ck)).result()\n"
+        "for step in (5, 7):\n"
+        "    got = fresh(); r = tgd.Reader(step, checkpointer=ck)\n"
+        "    dcp.load(got, storage_reader=r); print(step, r.tier, same(got))\n"
+        "ck.wait()\n"
+        "got = fresh(); dcp.load(got, checkpoint_id=str(ck.root / 'step_7'))\n"
+        "print('plain', same(got))\n",
+    )
+    assert out.split("\n")[:3] == ["5 memory True", "7 memory True", "plain True"], out
+
+
+RESHARD = """
+import sys, warnings, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import trainguard.dcp as tgd
+from trainguard.checkpoint.checkpointer import Checkpointer
+warnings.filterwarnings("ignore")
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ck = Checkpointer(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+dcp.save({"model": get_model_state_dict(model)}, storage_writer=tgd.Writer(1, checkpointer=ck))
+ck.wait()
+want = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+r = tgd.Reader(1, checkpointer=ck)
+dcp.load({"model": get_model_state_dict(model)}, storage_reader=r)  # the same shards
+got = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+print(f"rank {rank} same-shards {r.tier} {all(torch.equal(got[k], want[k]) for k in want)}")
+plain = {k: torch.zeros_like(v) for k, v in want.items()}  # every rank wants all of it
+r = tgd.Reader(1, checkpointer=ck)
+dcp.load({"model": plain}, storage_reader=r)
+print(f"rank {rank} whole {r.tier} {all(torch.equal(plain[k], want[k]) for k in want)}")
+ck.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_resharded_load_is_replanned_against_the_durable_step(tmp_path: Path) -> None:
+    """Each rank's snapshot holds its FSDP shards (rows 0-1 or 2-3): the same shards come
+    from memory; a live state that wants whole tensors reads from the durable step (the
+    complement boxes of the snapshot's metadata send its reads there), never half of them."""
+    script = tmp_path / "reshard.py"
+    script.write_text(RESHARD)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env={**os.environ, "TRAINGUARD_SHM_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} same-shards memory True" in out.stdout, out.stdout
+        assert f"rank {rank} whole durable True" in out.stdout, out.stdout
+    assert "ckpt_memory_mismatch" not in out.stderr  # an event, not a warning on stderr
+
+
+def test_a_corrupt_snapshot_is_read_from_the_durable_tier(tmp_path: Path) -> None:
+    out = _one_process(
+        tmp_path,
+        "dcp.save(state, storage_writer=tgd.Writer(3, checkpointer=ck))\n"
+        "ck.wait(); ck.wait_persisted()\n"
+        "from trainguard.checkpoint import snapshot\n"
+        "for s in ck._pool.slots:\n"
+        "    h = snapshot.peek_header(s.path)\n"
+        "    if h and h['step'] == 3:\n"
+        "        e = h['layout']['tensors'][0]\n"
+        "        with open(s.path, 'r+b') as f:\n"
+        "            f.seek(e['offset']); b = f.read(1); f.seek(e['offset'])\n"
+        "            f.write(bytes([b[0] ^ 0x10]))\n"
+        "got = fresh(); r = tgd.Reader(3, checkpointer=ck); dcp.load(got, storage_reader=r)\n"
+        "print(r.tier, same(got))\n",
+    )
+    assert out.startswith("durable True"), out
+
+
+def test_no_step_to_restore_says_what_to_do(tmp_path: Path) -> None:
+    out = _one_process(
+        tmp_path,
+        "print(tgd.resume_step())\n"
+        "try:\n"
+        "    dcp.load(fresh(), storage_reader=tgd.Reader(checkpointer=ck))\n"
+        "except BaseException as e:\n"
+        "    print('raised', 'resume_step()' in str(e))\n"
+        "try:\n"
+        "    dcp.save(state, storage_writer=tgd.Writer(checkpointer=ck))\n"
+        "except BaseException as e:\n"
+        "    print('raised', 'Writer(step=N)' in str(e))\n",
+    )
+    assert out.split("\n")[:3] == ["None", "raised True", "raised True"], out
