@@ -423,6 +423,7 @@ class Reader(StorageReader):
         self._fs_md: Metadata | None = None
         self._is_coordinator = False
         self._t0 = 0.0
+        self._pt: tuple[int, int] | None = None
 
     @property
     def ck(self) -> Checkpointer:
@@ -433,6 +434,7 @@ class Reader(StorageReader):
     # ---------------------------------------------------------------- DCP's calls
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._id = checkpoint_id
+        self._pt = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         ck = self.ck
@@ -448,7 +450,11 @@ class Reader(StorageReader):
                 ck.wait_persisted()
                 paths = self._own_slots()
             self.tier = "memory"
-            if not self._holds(side, (step, gen), paths) and self._pull_replica(side, (step, gen)):
+            if (
+                ck._rt.supervised
+                and not self._holds(side, (step, gen), paths)
+                and self._pull_replica(side, (step, gen))
+            ):
                 self.tier = "replica"
             self._slot = verified_slot(side, (step, gen), paths)
             if self._slot is not None:
@@ -507,7 +513,13 @@ class Reader(StorageReader):
 
     # ---------------------------------------------------------------- helpers
     def _point(self) -> tuple[int, int]:
-        """(step, generation that wrote it) to restore; raises CheckpointNotFoundError."""
+        """(step, generation that wrote it) to restore, decided once a load; raises
+        CheckpointNotFoundError."""
+        if self._pt is None:
+            self._pt = self._choose()
+        return self._pt
+
+    def _choose(self) -> tuple[int, int]:
         ck = self.ck
         rt = ck._rt
         if rt.supervised:

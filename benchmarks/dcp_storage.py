@@ -1,0 +1,195 @@
+"""DCP through trainguard's tiers (``trainguard.dcp``) against the ``Checkpointer``, one run.
+
+The README's state (16 blocks of Linear + BatchNorm1d, AdamW after one step: parameters,
+buffers and both moments, ``--size-gb`` in all), saved as DCP users write it
+(``{"model": model.state_dict(), "optim": optimizer.state_dict()}``), in this process with a
+real ckptd (``node_daemon``) owning the slots, on one gloo rank. In alternating rounds:
+
+- memcpy of the state's tensors into pre-faulted memory (the physical limit);
+- ``Checkpointer.save`` stall (the copy into the slot);
+- ``dcp.async_save(state, storage_writer=trainguard.dcp.Writer(step))`` stall (until it
+  returns: the copy into the slot; DCP's planning and the publish follow on its thread) and
+  ``dcp.save`` with the same writer (planning, collectives and the copy, all blocking);
+- DCP's own ``async_save`` with its default stager (a CPU copy) for reference;
+- restore from memory: ``Checkpointer.load_memory`` and ``dcp.load(state,
+  storage_reader=trainguard.dcp.Reader(step))`` (both: ckptd verified the snapshot once, then
+  a verified copy into the live tensors).
+
+Run: ``python benchmarks/dcp_storage.py --size-gb 1 --json`` (``--smoke``: 8 MiB, 2 rounds).
+Keys: ``dcp_async_stall_over_checkpointer``, ``dcp_restore_over_checkpointer`` (the
+issue's targets: ≤ 1), ``dcp_async_stall_over_memcpy``, ``dcp_sync_stall_over_memcpy``,
+``dcp_default_async_stall_over_memcpy``, ``checkpointer_stall_over_memcpy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from checkpoint import JOB, NODE, Memcpy, make_model  # beside this file
+from common import Row, add_common, finish, verdict
+
+ROUNDS = 7
+
+
+def _state(size_gb: float) -> dict[str, Any]:
+    model, opt = make_model(size_gb)
+    model(torch.randn(4, model[0][0].in_features)).sum().backward()
+    opt.step()  # AdamW's moments exist
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
+    import trainguard.dcp
+    from trainguard import Checkpointer
+    from trainguard.checkpoint import node_daemon
+
+    tmp = Path(tempfile.mkdtemp(prefix="tg-bench-dcp-", dir=base))
+    shm = tmp / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_gb * 8 * 1024) + 512}m",
+                    "tmpfs", str(shm)], check=True)  # fmt: skip
+    os.environ["TRAINGUARD_SHM_DIR"] = str(shm)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    state = _state(size_gb)
+    mc = Memcpy(state)
+    t: dict[str, list[float]] = {k: [] for k in (
+        "checkpointer_stall_s", "dcp_async_stall_s", "dcp_sync_stall_s",
+        "dcp_default_async_stall_s", "checkpointer_restore_s", "dcp_restore_s",
+    )}  # fmt: skip
+    tiers: set[str] = set()
+    try:
+        with node_daemon(tmp / "ckpt", shm_dir=shm, job=JOB, node=NODE):
+            ck = Checkpointer(tmp / "ckpt", keep=1, durable_every=0)
+            group = dist.new_group(backend="gloo")  # DCP's background collectives' own
+            ck.save(0, state)  # allocates and pre-faults the slots once
+            dcp.async_save(
+                state, storage_writer=trainguard.dcp.Writer(1, checkpointer=ck),
+                process_group=group,
+            ).result()  # fmt: skip
+            ck.wait_persisted()
+            for i in range(rounds):
+                step = 10 * (i + 1)
+                mc.sample()
+                s, _ = _timed(lambda step=step: ck.save(step, state))
+                t["checkpointer_stall_s"].append(s)
+                ck.wait_persisted()
+                s, fut = _timed(lambda step=step: dcp.async_save(
+                    state, storage_writer=trainguard.dcp.Writer(step + 1, checkpointer=ck),
+                    process_group=group,
+                ))  # fmt: skip
+                fut.result()
+                t["dcp_async_stall_s"].append(s)
+                ck.wait_persisted()
+                s, _ = _timed(lambda step=step: dcp.save(
+                    state, storage_writer=trainguard.dcp.Writer(step + 2, checkpointer=ck)
+                ))  # fmt: skip
+                t["dcp_sync_stall_s"].append(s)
+                ck.wait_persisted()
+                d = tmp / f"dcp{i}"
+                s, fut = _timed(lambda d=d: dcp.async_save(
+                    state, checkpoint_id=str(d), process_group=group
+                ))  # fmt: skip
+                fut.result()
+                t["dcp_default_async_stall_s"].append(s)
+                shutil.rmtree(d, ignore_errors=True)
+                # restores: the newest snapshot each (ckptd verified it at its staging)
+                ck.save(step + 3, state)
+                ck.load_memory(state)  # ckptd's verification for this generation, once
+                s, _ = _timed(lambda: ck.load_memory(state))
+                t["checkpointer_restore_s"].append(s)
+                reader = trainguard.dcp.Reader(step + 2, checkpointer=ck)
+                dcp.load(state, storage_reader=reader)  # the same: verified once
+                reader = trainguard.dcp.Reader(step + 2, checkpointer=ck)
+                s, _ = _timed(lambda reader=reader: dcp.load(state, storage_reader=reader))
+                t["dcp_restore_s"].append(s)
+                tiers.add(str(reader.tier))
+            ck.close()
+    finally:
+        os.environ.pop("TRAINGUARD_SHM_DIR", None)
+        subprocess.run(["umount", "-l", str(shm)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
+        dist.destroy_process_group()
+    r: dict[str, Any] = {k: statistics.median(v) for k, v in t.items()}
+    r["rounds"] = t
+    r["reader_tiers"] = sorted(tiers)
+    r["memcpy_s"] = mc.median
+    r["size_bytes"] = sum(x.numel() * x.element_size() for x in mc.src)
+    r["state"] = "16 × (Linear + BatchNorm1d) + AdamW, model/optim state_dicts"
+    m, c = r["memcpy_s"], r["checkpointer_stall_s"]
+    r.update({
+        "dcp_async_stall_over_checkpointer": r["dcp_async_stall_s"] / c,
+        "dcp_restore_over_checkpointer": r["dcp_restore_s"] / r["checkpointer_restore_s"],
+        "dcp_async_stall_over_memcpy": r["dcp_async_stall_s"] / m,
+        "dcp_sync_stall_over_memcpy": r["dcp_sync_stall_s"] / m,
+        "dcp_default_async_stall_over_memcpy": r["dcp_default_async_stall_s"] / m,
+        "checkpointer_stall_over_memcpy": c / m,
+        "dcp_restore_over_memcpy": r["dcp_restore_s"] / m,
+    })  # fmt: skip
+    return r
+
+
+def table_rows(r: dict[str, Any]) -> list[Row]:
+    """The README's rows (``benchmarks/table.py``)."""
+    size = f"{r['size_bytes'] / 2**30:.2f} GiB: {r['state']}"
+    return [
+        Row(
+            what=f"dcp.async_save through trainguard.dcp.Writer, stall ({size})",
+            result=f"{r['dcp_async_stall_over_checkpointer']:.2f}× Checkpointer.save "
+            f"({r['dcp_async_stall_s']:.3f} s vs {r['checkpointer_stall_s']:.3f} s; "
+            f"memcpy {r['memcpy_s']:.3f} s); sync dcp.save "
+            f"{r['dcp_sync_stall_over_memcpy']:.2f}× memcpy, DCP's own async_save "
+            f"{r['dcp_default_async_stall_over_memcpy']:.2f}×",
+            target=verdict(r["dcp_async_stall_over_checkpointer"], 1.0, "× Checkpointer"),
+        ),
+        Row(
+            what="dcp.load through trainguard.dcp.Reader from memory (the same state)",
+            result=f"{r['dcp_restore_over_checkpointer']:.2f}× Checkpointer.load_memory "
+            f"({r['dcp_restore_s']:.3f} s vs {r['checkpointer_restore_s']:.3f} s)",
+            target=verdict(r["dcp_restore_over_checkpointer"], 1.0, "× Checkpointer"),
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    add_common(p, smoke="8 MiB, 2 rounds (CI)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.size_gb, a.rounds = 2**-7, 2
+    out = run(a.size_gb, a.rounds, a.dir)
+    finish("dcp_storage", a, out, argv)
+    if not a.json:
+        for row in table_rows(out):
+            print(f"{row['what']}: {row['result']} [{row['target']}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
