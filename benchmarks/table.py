@@ -24,7 +24,7 @@ BEGIN = "<!-- measured:begin (python benchmarks/table.py --write) -->"
 END = "<!-- measured:end -->"
 # The table's order; a recorded result of a benchmark not named here comes last.
 ORDER = [
-    "checkpoint", "checkpoint_sharded", "storage", "step_overhead", "recovery",
+    "checkpoint", "checkpoint_sharded", "dcp_storage", "storage", "step_overhead", "recovery",
     "local_recovery", "node_recovery", "preflight", "straggler", "sdc", "controller_scale",
 ]  # fmt: skip
 

@@ -46,6 +46,7 @@ waits (``STAGE_WAIT_S``) for the previous background save to publish its snapsho
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -201,11 +202,32 @@ class Writer(StorageWriter, AsyncStager):
         self._step()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._local = list(plan.items)  # before DCP's de-duplication: all this rank holds
-        return plan
+        """Keep this rank's items here (all it holds, before any de-duplication) and send on
+        only their (fqn, chunk offset, bytes): DCP's own metadata is never used (the memory
+        tier describes each snapshot itself, the durable tier merges its parts' metadata),
+        and pickling a few hundred items for the gather costs tens of milliseconds on the
+        thread that shares the training's interpreter lock (measured: 316 items, ~20 ms to
+        unpickle alone)."""
+        self._local = list(plan.items)
+        held = [(it.index.fqn, _offset(it), _nbytes(it)) for it in plan.items]
+        return SavePlan([], storage_data=held, planner_data={})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """Which rank writes each chunk and value to the durable tier: once, by the holder
+        with the fewest bytes so far (DCP's own de-duplication, balanced by size)."""
+        holders: dict[tuple[str, tuple[int, ...] | None], list[int]] = {}
+        size: dict[tuple[str, tuple[int, ...] | None], int] = {}
+        for r, p in enumerate(plans):
+            for fqn, off, n in p.storage_data or []:
+                holders.setdefault((fqn, off), []).append(r)
+                size[(fqn, off)] = n
+        load = [0] * len(plans)
+        writes: list[list[tuple[str, tuple[int, ...] | None]]] = [[] for _ in plans]
+        for key, ranks in holders.items():
+            r = min(ranks, key=lambda x: (load[x], x))
+            load[r] += size[key]
+            writes[r].append(key)
+        return [dataclasses.replace(p, storage_data=w) for p, w in zip(plans, writes, strict=True)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Publish this rank's snapshot (staged by ``stage``, else copied now from what the
@@ -217,13 +239,10 @@ class Writer(StorageWriter, AsyncStager):
             if staged is not None:
                 lease, meta, flat, blob = staged
                 keys = {_index_of(k, flat): k for k in [*flat.tensors, *flat.objects]}
-                writes = []
-                for it in plan.items:
-                    off = None if it.index.offset is None else tuple(it.index.offset)
-                    if it.type == WriteItemType.BYTE_IO:
-                        off = None
-                    writes.append(keys[(it.index.fqn, off)])
-                meta[DCP_WRITES] = writes
+                mine = plan.storage_data
+                if mine is None:  # a planner that kept the items: DCP's own de-duplication
+                    mine = [(it.index.fqn, _offset(it)) for it in plan.items]
+                meta[DCP_WRITES] = [keys[(fqn, off)] for fqn, off in mine]
                 self.ck._publish(lease, blob, meta)
         except BaseException:
             if staged is not None:
@@ -371,6 +390,13 @@ class Writer(StorageWriter, AsyncStager):
         return lease, meta, flat, blob
 
 
+def _offset(it: WriteItem) -> tuple[int, ...] | None:
+    """A write item's chunk offset; None for a value (bytes)."""
+    if it.type == WriteItemType.BYTE_IO or it.index.offset is None:
+        return None
+    return tuple(int(o) for o in it.index.offset)
+
+
 def _nbytes(it: WriteItem) -> int:
     if it.tensor_data is None:
         return 0
@@ -424,6 +450,7 @@ class Reader(StorageReader):
         self._is_coordinator = False
         self._t0 = 0.0
         self._pt: tuple[int, int] | None = None
+        self._plan: LoadPlan | None = None
 
     @property
     def ck(self) -> Checkpointer:
@@ -472,7 +499,12 @@ class Reader(StorageReader):
             self._fs.set_up_storage_reader(metadata, is_coordinator)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """Keep this rank's reads here: DCP's load needs no global coordination (its default
+        planner's global step returns the plans unchanged), and a plan of a few hundred items
+        costs ~20 ms to unpickle on the coordinator's gather (measured, 316 items), on every
+        restore. The plan sent on carries no items; ``read_data`` reads this one."""
+        self._plan = plan
+        return LoadPlan([], storage_data=None, planner_data=plan.planner_data)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
@@ -480,6 +512,8 @@ class Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Copy this rank's items in: from its verified snapshot when it holds every item
         whole, else from the durable step (re-planned against its metadata)."""
+        if not plan.items and self._plan is not None:  # the items kept by prepare_local_plan
+            plan = self._plan
         ck, rank = self.ck, rank_world()[0]
         step = self._point()[0]
         if self._slot is not None:

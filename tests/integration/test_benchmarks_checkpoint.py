@@ -50,3 +50,16 @@ def test_the_storage_benchmark_smoke_run_prints_its_keys() -> None:
         "restore_vs_s3fs_dcp_load",
         "restore_vs_memcpy",
     }
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a private tmpfs for the slots (root)")
+def test_the_dcp_storage_benchmark_smoke_run_prints_its_keys() -> None:
+    r = smoke("dcp_storage", timeout=300)
+    for key in (
+        "dcp_async_stall_over_checkpointer", "dcp_restore_over_checkpointer",
+        "dcp_async_stall_over_memcpy", "dcp_sync_stall_over_memcpy",
+        "dcp_default_async_stall_over_memcpy", "checkpointer_stall_over_memcpy",
+    ):  # fmt: skip
+        assert r[key] > 0, key
+    assert r["reader_tiers"] == ["memory"]  # every timed dcp.load was served from memory
+    assert "AdamW" in r["state"] and len(r["rounds"]["dcp_restore_s"]) == 2
