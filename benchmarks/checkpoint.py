@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 import torch
-from common import Row, add_common, finish, verdict  # beside this file
+from common import Row, add_common, finish, one_rank_group, verdict  # beside this file
 
 JOB, NODE = f"bench{os.getpid()}", f"bench{os.getpid()}"  # never an agent's node id
 
@@ -303,17 +303,10 @@ def run(size_gb: float, repeats: int, rounds: int, base: Path) -> dict[str, Any]
     ckpt_dir = tmp / "ckpt"
     r_threads = torch.get_num_threads()
     # DCP's process executor needs a process group, even for one rank.
-    import socket
 
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
-    )
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    one_rank_group()
     state = make_flat(size_gb)
     nbytes = sum(t.numel() * 4 for t in state["model"].values())
     r: dict[str, Any] = {"size_bytes": nbytes, "torch_threads": r_threads,

@@ -134,3 +134,18 @@ def finish(
             print(f"{name}: --smoke results are not recorded", file=sys.stderr)
         else:
             print(f"{name}: recorded {record(name, result, argv)}", file=sys.stderr)
+
+
+def one_rank_group() -> None:
+    """A gloo process group of one rank on a free loopback port (DCP's async paths need one)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from checkpoint import JOB, NODE, Memcpy, make_model  # beside this file
-from common import Row, add_common, finish, verdict
+from common import Row, add_common, finish, one_rank_group, verdict
 
 ROUNDS = 7
 
@@ -67,13 +66,7 @@ def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_gb * 8 * 1024) + 512}m",
                     "tmpfs", str(shm)], check=True)  # fmt: skip
     os.environ["TRAINGUARD_SHM_DIR"] = str(shm)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
-    )
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    one_rank_group()
     state = _state(size_gb)
     mc = Memcpy(state)
     t: dict[str, list[float]] = {k: [] for k in (

@@ -60,9 +60,9 @@ def test_no_python_runs_a_program_and_a_timed_drill_reaches_it(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--rdzv-endpoint", "h:29400"], "trainguard controller --rdzv-endpoint"),
+        (["--rdzv-endpoint", "h:29400"], "shared secret of 16+ characters in $TRAINGUARD_SECRET"),
         (["--master_port", "29500"], "the controller picks rank 0's store"),
-        (["--node-rank", "1"], "node ranks are assigned by the controller"),
+        (["--node-rank", "1"], "--node-rank is for a job across hosts: give --rdzv-endpoint"),
         (["--nproc-per-node", "two"], "--nproc-per-node two: give a number"),
         (["--tee", "7"], "--tee 7: use torchrun's 0-3"),
         (["--preflight", "sometimes"], "--preflight: invalid choice: 'sometimes'"),

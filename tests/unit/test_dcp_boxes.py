@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from trainguard.dcp import _complement
+from trainguard.dcp.reader import _complement
 
 
 def _cells(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[tuple[int, ...]]:

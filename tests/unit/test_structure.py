@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # checks); agent and controller are peers that meet only in protocol (neither imports the
 # other); observe reads the controller's store; the CLI wires everything together (it hands
 # the controller observe's dashboard) and nothing imports it; chaos drives whole jobs from
-# outside (the CLI's ``trainguard chaos``); relay speaks only the wires and their framing (``trainguard relay``).
+# outside (the CLI's ``trainguard chaos``); dcp is the checkpoint tiers behind DCP's storage
+# interfaces (``trainguard.dcp``); relay speaks only the wires and their framing (``trainguard relay``).
 _BASE = {"protocol", "faults", "runtime", "checkpoint"}
 LAYERS: dict[str, set[str]] = {
     "protocol": set(),
@@ -29,6 +30,7 @@ LAYERS: dict[str, set[str]] = {
     "controller": _BASE | {"health"},
     "observe": _BASE | {"health", "controller"},
     "integrations": _BASE,
+    "dcp": _BASE,
     "relay": {"protocol", "runtime"},
     "chaos": _BASE | {"health", "controller", "observe"},
     "cli": _BASE | {"health", "agent", "controller", "observe", "chaos", "relay"},

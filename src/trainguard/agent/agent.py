@@ -49,6 +49,7 @@ from trainguard.agent.link import (
 )
 from trainguard.agent.local import LocalRecovery
 from trainguard.agent.probe import GemmProbe
+from trainguard.agent.tee import Tee
 from trainguard.checkpoint import ckptd_client as ckptd_mod
 from trainguard.checkpoint.prefetch import Prefetcher, prefetch_root
 from trainguard.health.host import host_health
@@ -78,6 +79,7 @@ from trainguard.runtime import wire
 
 log = logging.getLogger("trainguard.agent")
 LOOP_S = 0.05
+TEE_S = 0.25  # --tee: how often its workers' new output is printed
 # Calibrated hang timeout = CALIBRATION_FACTOR × the longest recent step, clamped to
 # [hang_timeout_min_s, hang_timeout_max_s]. NVIDIA's resiliency extension derives its
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
@@ -98,6 +100,7 @@ class AgentConfig:
     # Exit (workers stopped, slots released) after this long without controller contact.
     give_up_s: float | None = 600.0
     relay: str | None = None  # host:port of its rack's relay (trainguard relay), if any
+    tee: bool = False  # print its workers' output on stdout, prefixed [rankN]: (torchrun --tee)
 
 
 def hang_limit(desired: Run, w: wk.Worker) -> float:
@@ -165,6 +168,11 @@ class Agent:
         self._steps: dict[tuple[int, int], list[StepRecord]] = {}
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "errors").mkdir(parents=True, exist_ok=True)
+        self._teed: set[Path] = set()  # the logs of the workers it started (--tee)
+        # made now: a log its workers write later is followed from its first byte
+        logs = cfg.run_dir / "logs"
+        self._tees = {logs: Tee(logs, None, only=self._teed.__contains__)}
+        self._tee_done, self._tee_lock = threading.Event(), threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((cfg.addr, 0))
         self._sock.setblocking(False)
@@ -236,6 +244,8 @@ class Agent:
         threading.Thread(target=self._poll_loop, name="agent-poll", daemon=True).start()
         threading.Thread(target=self._report_loop, name="agent-report", daemon=True).start()
         threading.Thread(target=self._ckptd_loop, name="agent-ckptd", daemon=True).start()
+        if self.cfg.tee:
+            threading.Thread(target=self._tee_loop, name="agent-tee", daemon=True).start()
         log.info(
             "agent %s (%s) up at %s, reports on udp %d",
             self.cfg.node_id,
@@ -265,6 +275,9 @@ class Agent:
         finally:
             self.checks.stop()
             self._stop_workers(grace_s=15.0)
+            if self.cfg.tee:
+                self._tee_done.set()
+                self._tee_poll(final=True)
             self.launcher.close()
             self.prefetch.close(remove=True)  # a standby's copy is memory too: freed, not left
             self.ckptd.stopping = True  # its status thread must not kill it mid-final-persist
@@ -463,6 +476,22 @@ class Agent:
                 daemon=True,
             ).start()
 
+    def _tee_loop(self) -> None:
+        """``--tee``: its workers' new lines on stdout every TEE_S (the rest when it exits,
+        ``_tee_poll(final=True)``). A log directory shared with other hosts' agents holds
+        their ranks' logs too: only the files of the workers started here are followed."""
+        while not self._tee_done.wait(TEE_S):
+            self._tee_poll(final=False)
+
+    def _tee_poll(self, *, final: bool) -> None:
+        with self._tee_lock:
+            for d in {p.parent for p in list(self._teed)} - set(self._tees):
+                tee = Tee(d, None, only=self._teed.__contains__)  # the job's --log-dir
+                tee.rewind(set(self._teed))
+                self._tees[d] = tee
+            for tee in list(self._tees.values()):
+                tee.poll(final=final)
+
     def _spec(self, d: Run, local_rank: int, incarnation: int = 0) -> dict[str, Any]:
         """How to start local rank ``local_rank`` of generation ``d`` (``Launcher.start``);
         ``incarnation``: its replica group's restart (local recovery), 0 at the start."""
@@ -473,12 +502,14 @@ class Agent:
             env[rt_api.ENV_REPLICA_INCARNATION] = str(incarnation)
             stem = env["TORCHELASTIC_ERROR_FILE"].removesuffix(".json")
             env["TORCHELASTIC_ERROR_FILE"] = f"{stem}.inc{incarnation}.json"
+        log_path = Path(d.log_dir or self.cfg.run_dir / "logs") / f"{name}.log"
+        self._teed.add(log_path)
         return {
             "env": env,
             "argv": [d.script, *d.script_args],
             "mode": d.launch,
             "cwd": os.getcwd(),
-            "log": str(Path(d.log_dir or self.cfg.run_dir / "logs") / f"{name}.log"),
+            "log": str(log_path),
             "error_file": env["TORCHELASTIC_ERROR_FILE"],
         }
 

@@ -426,18 +426,7 @@ class Persister:
                 # Objects stay the worker's torch.save bytes: no user class is imported here.
                 objects = {k: dcp_part.Opaque(v) for k, v in dcp_part.unpack_objects(blob).items()}
                 shards = h.get("shards", {})
-                writes = h.get(DCP_WRITES)
-                if writes is not None:  # trainguard.dcp: DCP's own plan chose what this rank writes
-                    keep = set(writes)
-                    tensors = {k: v for k, v in tensors.items() if k in keep}
-                    objects = {k: v for k, v in objects.items() if k in keep}
-                else:
-                    tensors = {  # each chunk of a sharded tensor is written by one rank only
-                        k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]
-                    }
-                if rank != 0 and writes is None:  # replicated state is persisted once, by rank 0
-                    tensors = {k: v for k, v in tensors.items() if own_key(k, rank) or k in shards}
-                    objects = {k: v for k, v in objects.items() if own_key(k, rank)}
+                tensors, objects = _this_ranks_part(h, rank, tensors, objects)
                 t0 = time.time()
                 run = RunIdentity.from_json(h)
                 part = storage.tmp_dir(self.root, step, gen, run.run_id if run else "")
@@ -616,3 +605,25 @@ class Persister:
                 return
             with self._cv:
                 self._cv.wait(timeout=0.02)
+
+
+def _this_ranks_part(
+    h: dict[str, Any], rank: int, tensors: dict[str, Any], objects: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What of a snapshot (header ``h``) this rank persists: the entries DCP's plan gave it (a
+    ``trainguard.dcp`` save, ``api.DCP_WRITES``); else its sharded chunks marked to write,
+    and on rank 0 the replicated state (persisted once, DCP's rule), on any rank its own
+    ``per_rank``/``per_shard`` keys."""
+    writes = h.get(DCP_WRITES)
+    if writes is not None:
+        keep = set(writes)
+        return (
+            {k: v for k, v in tensors.items() if k in keep},
+            {k: v for k, v in objects.items() if k in keep},
+        )
+    shards = h.get("shards", {})
+    tensors = {k: v for k, v in tensors.items() if k not in shards or shards[k]["write"]}
+    if rank != 0:
+        tensors = {k: v for k, v in tensors.items() if own_key(k, rank) or k in shards}
+        objects = {k: v for k, v in objects.items() if own_key(k, rank)}
+    return tensors, objects

@@ -37,13 +37,6 @@ class _Refuse(argparse.Action):
         parser.error(f"{'/'.join(self.option_strings[:1])}: {self.why}")
 
 
-_HOSTS = (
-    "trainguard run starts every node on this machine; across hosts run `trainguard controller "
-    "--rdzv-endpoint HOST:PORT SCRIPT` once and `trainguard agent --controller HOST:PORT` on "
-    "each host (docs/deploy.md)"
-)
-
-
 def torchrun_flags(p: argparse.ArgumentParser, *, multi_host: bool) -> None:
     """torchrun's launch flags where they mean something here (``-m``, ``--no-python``, the
     console and log flags, ``--standalone``), and a one-line explanation for the others."""
@@ -79,9 +72,18 @@ def _refuse(p: argparse.ArgumentParser, multi_host: bool) -> None:
         ("--redirects", "-r"): "every rank's output goes to its log; --tee shows it",
         ("--role",): "one role per job",
     }
-    if not multi_host:
-        refused[("--rdzv-endpoint", "--rdzv_endpoint")] = _HOSTS
-        refused[("--local-addr", "--local_addr")] = _HOSTS
+    if not multi_host:  # run: the same command on every host (cli/hosts.py)
+        del refused[("--node-rank", "--node_rank")]
+        p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                       help="across hosts: the same command on each, as with torchrun; the "
+                            "first to bind HOST:PORT runs the controller (needs "
+                            "$TRAINGUARD_SECRET, the same on every host; docs/deploy.md)")  # fmt: skip
+        p.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R",
+                       help="with --rdzv-endpoint: 0 = this host runs the controller, > 0 = "
+                            "it only joins (default: the first to bind the endpoint)")  # fmt: skip
+        p.add_argument("--local-addr", "--local_addr", default=None, metavar="ADDR",
+                       help="with --rdzv-endpoint: the address other hosts reach this one at "
+                            "(default: this host's address on the route to the endpoint)")  # fmt: skip
     for names, why in refused.items():
         p.add_argument(*names, action=_Refuse, why=why)
 
@@ -221,6 +223,8 @@ def _agent_parser(a: argparse.ArgumentParser) -> None:
         help="without controller contact this long: stop workers, free slots, exit 3 (default 600)",
     )
     a.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    a.add_argument("--tee", action="store_true",
+                   help="print its workers' output on stdout, prefixed [rankN]: (torchrun --tee)")  # fmt: skip
     a.add_argument(
         "--relay",
         default=None,
@@ -399,6 +403,7 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.cmd in _PRINTING:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
@@ -433,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                     exit_with_parent=args.exit_with_parent,
                     give_up_s=args.give_up_after if args.give_up_after > 0 else None,
                     relay=args.relay,
+                    tee=args.tee,
                 )
             )
         from trainguard.observe import report

@@ -28,6 +28,7 @@ import typing
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.agent.tee import Tee, parse_ranks
 from trainguard.checkpoint import storage
 from trainguard.controller.api import Phase
 from trainguard.controller.config import (
@@ -50,7 +51,6 @@ from trainguard.health.judge import CheckConfig
 from trainguard.observe.console import plural
 from trainguard.observe.html import DASHBOARD
 from trainguard.observe.statusline import StatusLine, job_line
-from trainguard.observe.tee import Tee, parse_ranks
 
 log = logging.getLogger("trainguard.run")
 AGENT_EXIT_DEADLINE_S = 30.0
@@ -489,6 +489,17 @@ def _lock_run_dir(run_dir: Path) -> IO[str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.rdzv_endpoint is not None:  # the same command on every host
+        from trainguard.cli.hosts import run_on_hosts
+
+        argv = list(args.argv)
+        return run_on_hosts(args, argv[argv.index("run") + 1 :])
+    for flag, value in (("--node-rank", args.node_rank), ("--local-addr", args.local_addr)):
+        if value is not None:
+            raise ValueError(
+                f"{flag} is for a job across hosts: give --rdzv-endpoint HOST:PORT too "
+                "(without it, trainguard run starts every node on this machine)"
+            )
     cfg = build_config(args)
     ranks = parse_ranks(args.tee, args.local_ranks_filter)
     lock = _lock_run_dir(Path(cfg.run_dir))  # noqa: F841 - released when this process exits

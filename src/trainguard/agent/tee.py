@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -33,17 +34,29 @@ def parse_ranks(tee: str | None, filt: str | None) -> set[int] | None:
 
 
 class Tee:
-    """Follow ``log_dir``'s rank logs; ``poll()`` prints what is new (complete lines)."""
+    """Follow ``log_dir``'s rank logs; ``poll()`` prints what is new (complete lines).
+    ``only``: follow just the files it accepts (an agent: the logs of the workers it started,
+    when the log directory is shared with other hosts)."""
 
     def __init__(
-        self, log_dir: Path, ranks: set[int] | None, out: IO[str] = sys.stdout, prefix: str = ""
+        self,
+        log_dir: Path,
+        ranks: set[int] | None,
+        out: IO[str] = sys.stdout,
+        prefix: str = "",
+        only: Callable[[Path], bool] | None = None,
     ) -> None:
-        self.log_dir, self.ranks, self.out = log_dir, ranks, out
+        self.log_dir, self.ranks, self.out, self.only = log_dir, ranks, out, only
         self.prefix = prefix  # e.g. what clears the live status line first
         self._pos: dict[Path, int] = {}  # what an earlier run of this run dir wrote is not new
         for path in log_dir.glob("rank*.gen*.log") if log_dir.is_dir() else []:
             self._pos[path] = path.stat().st_size
         self._partial: dict[Path, bytes] = {}
+
+    def rewind(self, paths: set[Path]) -> None:
+        """Follow ``paths`` from their first byte (files of this run found already there)."""
+        for path in paths:
+            self._pos.pop(path, None)
 
     def poll(self, *, final: bool = False) -> None:
         if self.ranks is not None and not self.ranks:
@@ -55,6 +68,8 @@ class Tee:
         for path in paths:
             m = _NAME.search(path.name)
             if m is None or (self.ranks is not None and int(m.group(1)) not in self.ranks):
+                continue
+            if self.only is not None and not self.only(path):
                 continue
             self._follow(path, int(m.group(1)), final)
         self.out.flush()

@@ -1,0 +1,173 @@
+"""``trainguard run --rdzv-endpoint HOST:PORT``: the same command on every host, as with torchrun.
+
+    export TRAINGUARD_SECRET=...            # the same on every host (srun passes it on)
+    trainguard run --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29400 train.py
+
+On each host the command decides its part:
+
+- **the controller's host**: the first to bind HOST:PORT (or ``--node-rank 0``) runs the job's
+  controller there (``trainguard controller``, the same flags) and an agent;
+- **every other host** (``--node-rank R`` > 0, or the endpoint already bound or not an address of
+  this host) runs an agent that joins the controller at HOST:PORT.
+
+The job token is never written to shared storage: every host derives it from the secret
+(HMAC-SHA256 of the endpoint under ``$TRAINGUARD_SECRET``), keeps it in a private file (0600)
+for its processes and removes it at exit. Each host's agent is started with ``--tee``: the
+host's console shows its own ranks' output, each line prefixed ``[rankN]:`` (torchrun's
+``--tee``). The agent advertises the address this host reaches the endpoint from (never
+127.0.1.1, Debian's ``hostname -i``); ``--local-addr`` names another. Without ``--run-dir``
+every host uses ``runs/rdzv-HOST-PORT``.
+
+Exit status: the controller's host returns the job's (``trainguard controller``); another host
+its agent's (0 once the job ended). SIGTERM/SIGINT are passed to the children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import hashlib
+import hmac
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ENV_SECRET = "TRAINGUARD_SECRET"
+AGENT_GRACE_S = 60.0  # after the controller ends: its agent's time to see that and exit
+# `trainguard run` flags that the controller does not take (value-taking ones: True)
+_RUN_ONLY = {
+    "--rdzv-endpoint": True, "--rdzv_endpoint": True, "--node-rank": True, "--node_rank": True,
+    "--local-addr": True, "--local_addr": True, "--tee": True, "-t": True,
+    "--local-ranks-filter": True, "--local_ranks_filter": True,
+}  # fmt: skip
+
+
+def derive_token(secret: str, endpoint: str) -> str:
+    """The job token (32 hex digits) every host derives from the shared secret."""
+    return hmac.new(
+        secret.encode(), f"trainguard job {endpoint}".encode(), hashlib.sha256
+    ).hexdigest()[:32]
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """HOST:PORT of ``--rdzv-endpoint``. Raises ValueError naming the form."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"--rdzv-endpoint {text!r}: give HOST:PORT of the first host, e.g. node0:29400"
+        )
+    return host.strip("[]"), int(port)
+
+
+def is_controller(host: str, port: int, node_rank: int | None) -> bool:
+    """Does this host run the controller? ``--node-rank`` says so; without it, whoever binds
+    the endpoint first (another host's address, or one already bound here: an agent)."""
+    if node_rank is not None:
+        return node_rank == 0
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(
+            f"--rdzv-endpoint {host}: cannot resolve it ({e}); give its address"
+        ) from None
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                return False
+            raise
+    return True
+
+
+def local_addr(host: str, port: int) -> str:
+    """The address this host reaches ``host`` from (the route's source; nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), port))
+        return str(s.getsockname()[0])
+
+
+def controller_argv(argv: list[str], n_script: int) -> list[str]:
+    """``trainguard run``'s arguments without the flags only ``run`` takes; the last
+    ``n_script`` (SCRIPT and its arguments) are kept as they are."""
+    flags, script = argv[: len(argv) - n_script], argv[len(argv) - n_script :]
+    out: list[str] = []
+    i = 0
+    while i < len(flags):
+        a = flags[i]
+        if a.split("=", 1)[0] in _RUN_ONLY:
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out + script
+
+
+def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
+    """Play this host's part (module docstring). Raises ValueError naming the fix."""
+    secret = os.environ.get(ENV_SECRET, "")
+    if len(secret) < 16:
+        raise ValueError(
+            f"a job across hosts needs a shared secret of 16+ characters in ${ENV_SECRET} on every "
+            f"host (export {ENV_SECRET}=$(openssl rand -hex 16) before srun/ssh: the job token is "
+            "derived from it, never written to shared storage)"
+        )
+    endpoint = args.rdzv_endpoint
+    host, port = parse_endpoint(endpoint)
+    controller = is_controller(host, port, args.node_rank)
+    addr = args.local_addr or local_addr(host, port)
+    if args.run_dir is None:
+        args.run_dir = Path("runs") / f"rdzv-{host}-{port}"
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    node_id = f"{socket.gethostname().split('.')[0]}-{addr.replace('.', '-').replace(':', '-')}"
+    me = [sys.executable, "-m", "trainguard"]
+    with tempfile.TemporaryDirectory(prefix="trainguard-") as d:
+        token_file = Path(d) / "token"
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(derive_token(secret, f"{host}:{port}"))
+        agent = [*me, "agent", "--controller", f"{host}:{port}", "--token-file", str(token_file),
+                 "--advertise-addr", addr, "--run-dir", str(run_dir), "--node-id", node_id,
+                 "--tee"]  # fmt: skip
+        children: list[subprocess.Popen[bytes]] = []
+
+        def forward(sig: int, _: object) -> None:
+            for c in children:
+                with contextlib.suppress(ProcessLookupError):
+                    c.send_signal(sig)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, forward)
+        try:
+            if controller:
+                ctl = [*me, "controller", "--rdzv-endpoint", f"{host}:{port}", "--token-file",
+                       str(token_file), "--run-dir", str(run_dir),
+                       *controller_argv(argv, 1 + len(args.script_args))]  # fmt: skip
+                print(f"trainguard: this host runs the controller at {host}:{port} and node "
+                      f"{node_id}", file=sys.stderr, flush=True)  # fmt: skip
+                children.append(subprocess.Popen(ctl))
+            else:
+                print(f"trainguard: this host joins {host}:{port} as node {node_id}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            children.append(subprocess.Popen(agent))
+            if not controller:
+                return children[0].wait()
+            code = children[0].wait()
+            try:  # a job that ended: its agent sees it and exits; a controller that failed
+                children[1].wait(timeout=AGENT_GRACE_S if code == 0 else 0.1)
+            except subprocess.TimeoutExpired:
+                children[1].terminate()
+                children[1].wait(timeout=30)
+            return code
+        finally:
+            for c in children:
+                if c.poll() is None:
+                    c.kill()
+                    c.wait()

@@ -1,0 +1,121 @@
+"""The same ``trainguard run --rdzv-endpoint`` line on every host, as with torchrun (issue 33).
+
+Three hosts (network namespaces on a bridge) each run one identical command line; the host
+that owns the endpoint's address runs the controller, every host an agent; the job token
+comes from ``$TRAINGUARD_SECRET`` (no token file is shared). Two hosts train, the third is the
+standby. A training host is SIGKILLed whole (its launcher, agent, ckptd and workers): the
+standby takes its place, the job ends with the fault-free run's losses, and each surviving
+host's console shows exactly its own ranks' lines, prefixed ``[rankN]:``."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    FAST_CONFIG,
+    GPT,
+    TINY,
+    drop_segments,
+    events,
+    fault_free_losses,
+    losses,
+    reached_step,
+    trainguard_cmd,
+    wait_for,
+)
+from trainguard.faults.netns import Hosts
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+    pytest.mark.timeout(600),
+]
+STEPS = 40
+ARGS = [*TINY, "--steps", str(STEPS), "--ckpt-every", "1", "--durable-every", "5"]
+PACE = ["--inject", "slow:rank=0:factor=5"]  # steps of ~0.1 s: the kill lands mid-run
+SECRET = "a-secret-shared-by-the-hosts-0123"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    h = Hosts(3).up()
+    try:
+        yield h
+    finally:
+        h.down()
+
+
+def _node_host(hosts: Hosts, node: str) -> int:
+    """The host whose address the node id ends in (``<hostname>-<a>-<b>-<c>-<d>``)."""
+    (i,) = [i for i, a in enumerate(hosts.addrs) if node.endswith("-" + a.replace(".", "-"))]
+    return i
+
+
+def test_the_same_line_on_three_hosts_trains_survives_a_lost_host_and_tees_each_hosts_ranks(
+    hosts: Hosts, tmp_path: Path, reference: dict[int, float]
+) -> None:
+    run = tmp_path / "run"
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(FAST_CONFIG)
+    line = trainguard_cmd(
+        "run", "--nnodes", "2", "--standby", "1", "--nproc-per-node", "1",
+        "--rdzv-endpoint", f"{hosts.addrs[0]}:29400", "--run-dir", run, "--config", cfg,
+        *PACE, GPT, *ARGS,
+    )  # fmt: skip
+    env = {**os.environ, "TRAINGUARD_SECRET": SECRET}
+    procs: list[subprocess.Popen[bytes]] = []
+    outs = [tmp_path / f"console-h{i}.out" for i in range(3)]
+    try:
+        for i in range(3):
+            with open(outs[i], "wb") as out, open(tmp_path / f"console-h{i}.err", "wb") as err:
+                procs.append(subprocess.Popen(hosts.cmd(i, line), stdout=out, stderr=err, env=env))
+        wait_for(lambda: reached_step(run, 12), 300, "step 12")
+        (gen0,) = [e for e in events(run) if e["kind"] == "generation_started"][:1]
+        training = sorted(_node_host(hosts, n) for n in gen0["assignment"])
+        victim = next(i for i in training if i != 0)  # host 0 holds the controller
+        assert hosts.kill_all(victim)
+        for i in range(3):
+            if i != victim:
+                assert procs[i].wait(timeout=300) == 0, (
+                    tmp_path / f"console-h{i}.err"
+                ).read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        hosts.down()
+        job = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:8]
+        with contextlib.suppress(OSError):
+            drop_segments(f"trainguard-{job}-*")  # what the killed host left in memory
+    assert losses(run) == reference
+    evs = events(run)
+    # the first fault as finally attributed (a survivor's broken collective comes first)
+    fault = [e for e in evs if e["kind"] in ("fault", "fault_refined") and e["generation"] == 0]
+    assert fault[-1]["cause"] == "node_lost" and _node_host(hosts, fault[-1]["node_id"]) == victim
+    # each host ran what its console shows: its ranks' lines, no other rank's (one process a
+    # node: a node's rank is its node rank)
+    gens = [e["assignment"] for e in evs if e["kind"] == "generation_started"]
+    assert len(gens) == 2 and _node_host(hosts, next(iter(gens[1]))) in range(3)
+    for i in range(3):
+        if i == victim:
+            continue
+        mine = {r for a in gens for n, r in a.items() if _node_host(hosts, n) == i}
+        shown = {int(r) for r in re.findall(r"^\[rank(\d+)\]:", outs[i].read_text(), re.M)}
+        assert shown == mine, (i, shown, mine)
+    assert not (run / "token").exists()  # the token never went to the shared run dir
+    info = json.loads((run / "controller.json").read_text())
+    assert info["addr"] == f"{hosts.addrs[0]}:29400"
