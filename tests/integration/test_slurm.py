@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,3 +131,44 @@ def test_a_killed_agents_node_is_replaced_by_the_allocations_standby(
     standby = rep["recoveries"][0]["replaced"][node]
     assert standby not in gens0["assignment"], rep["recoveries"]
     assert losses(run) == reference
+
+
+SAME_LINE = """#!/bin/bash
+#SBATCH --job-name=tg-same-line
+# The torchrun way: one task per host, the same line in each (here three tasks on this one
+# Slurm node, each with a loopback address of its own, as simulated hosts).
+srun --kill-on-bad-exit=0 bash -c 'exec {py} -m trainguard run --nnodes 2 --standby 1 \\
+  --nproc-per-node 1 --rdzv-endpoint 127.0.0.10:{port} --local-addr 127.0.0.$((10 + SLURM_PROCID)) \\
+  --run-dir {run} --config {cfg} {script} {args}'
+"""
+
+
+@pytest.mark.timeout(900)
+def test_srun_runs_the_same_trainguard_run_line_in_every_task(
+    slurm: Slurm, tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """``srun trainguard run --rdzv-endpoint ...``: one task binds the endpoint and runs the
+    controller, the others join; the token comes from ``$TRAINGUARD_SECRET`` in the job's
+    environment; the job's output file holds the ranks' lines."""
+    run = tmp_path / "run"
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('preflight = "off"\nprobe_every_s = 0\nwarm_spares = 0\n')
+    script = tmp_path / "same-line.sbatch"
+    script.write_text(SAME_LINE.format(
+        py=sys.executable, port=free_port(), run=run, cfg=cfg,
+        script=ROOT / "examples" / "gpt" / "train.py", args=" ".join(ARGS),
+    ))  # fmt: skip
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        "TRAINGUARD_SECRET": "a-secret-for-this-allocation-0123",
+    }
+    out = tmp_path / "slurm-%j.out"
+    job = slurm.sbatch(script, "--nodes=1", "--ntasks=3", f"--output={out}", env=env)
+    info = slurm.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 600)
+    text = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert info["JobState"] == "COMPLETED", (info, text[-3000:])
+    assert losses(run) == reference
+    assert "[rank0]:" in text and "[rank1]:" in text, text[-3000:]
+    assert text.count("runs the controller at 127.0.0.10") == 1, text[-3000:]
+    assert not (run / "token").exists()

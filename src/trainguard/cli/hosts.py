@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import fcntl
 import hashlib
 import hmac
 import os
@@ -35,10 +36,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ENV_SECRET = "TRAINGUARD_SECRET"
 AGENT_GRACE_S = 60.0  # after the controller ends: its agent's time to see that and exit
+LISTEN_WAIT_S = 120.0  # the controller's time to listen (a torch import, its store) on this host
 # `trainguard run` flags that the controller does not take (value-taking ones: True)
 _RUN_ONLY = {
     "--rdzv-endpoint": True, "--rdzv_endpoint": True, "--node-rank": True, "--node_rank": True,
@@ -118,9 +121,15 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
             f"host (export {ENV_SECRET}=$(openssl rand -hex 16) before srun/ssh: the job token is "
             "derived from it, never written to shared storage)"
         )
-    endpoint = args.rdzv_endpoint
-    host, port = parse_endpoint(endpoint)
+    host, port = parse_endpoint(args.rdzv_endpoint)
+    # Several of these commands on one host (srun's tasks on a node, simulated nodes) decide
+    # one at a time, the controller's host until its controller listens: two cannot both
+    # find the endpoint free.
+    decide = open(Path(tempfile.gettempdir()) / f"trainguard-rdzv-{host}-{port}.lock", "a")  # noqa: SIM115
+    fcntl.flock(decide, fcntl.LOCK_EX)
     controller = is_controller(host, port, args.node_rank)
+    if not controller:
+        decide.close()
     addr = args.local_addr or local_addr(host, port)
     if args.run_dir is None:
         args.run_dir = Path("runs") / f"rdzv-{host}-{port}"
@@ -153,6 +162,8 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
                 print(f"trainguard: this host runs the controller at {host}:{port} and node "
                       f"{node_id}", file=sys.stderr, flush=True)  # fmt: skip
                 children.append(subprocess.Popen(ctl))
+                _wait_listening(host, port, children[0])
+                decide.close()
             else:
                 print(f"trainguard: this host joins {host}:{port} as node {node_id}",
                       file=sys.stderr, flush=True)  # fmt: skip
@@ -171,3 +182,12 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
                 if c.poll() is None:
                     c.kill()
                     c.wait()
+
+
+def _wait_listening(host: str, port: int, ctl: subprocess.Popen[bytes]) -> None:
+    """Until the controller accepts connections at host:port, it exits, or LISTEN_WAIT_S."""
+    deadline = time.monotonic() + LISTEN_WAIT_S
+    while time.monotonic() < deadline and ctl.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
+            return
+        time.sleep(0.1)
