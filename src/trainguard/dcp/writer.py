@@ -95,6 +95,7 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
         self._staged: tuple[Lease, dict[str, Any], state_mod.Flat, bytes] | None = None
         self._published = threading.Event()
         self._published.set()
+        self._skip = False  # stage() skipped this step (every slot still persisting)
 
     # ---------------------------------------------------------------- DCP's calls
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -136,8 +137,9 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
         """Publish this rank's snapshot (staged by ``stage``, else copied now from what the
         planner resolves) with the entries DCP's plan has this rank write."""
         staged, self._staged = self._staged, None
+        skip, self._skip = self._skip, False
         try:
-            if staged is None:
+            if staged is None and not skip:
                 staged = self._copy_items(planner)
             if staged is not None:
                 lease, meta, flat, blob = staged
@@ -194,10 +196,9 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
         )
         out: dict[str, Any] = dict(flat.objects)
         live = state_mod.flatten_typed(state_dict, paths=False)[0] if flat.shards else {}
-        if got is None:  # every slot still persisting: this step is skipped (an event)
-            for key, t in flat.tensors.items():
-                out[key] = _rewrap(live.get(key), t.detach().cpu().clone())
-            return out
+        if got is None:  # every slot still persisting: this step is skipped (an event);
+            self._skip = True  # DCP plans on the live state, nothing of it is read
+            return state_dict
         lease, meta = got
         try:
             lease.write(list(flat.tensors.values()))
