@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
@@ -27,6 +27,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 from trainguard.chaos import faults as chaos_faults  # noqa: E402  (this checkout's)
 from trainguard.chaos import run as chaos_run  # noqa: E402
+
+if TYPE_CHECKING:
+    from trainguard.faults.netns import Hosts
 
 GPT = ROOT / "examples" / "gpt" / "train.py"
 # A GPT small enough for a 2-core machine: ~10-20 ms per step with 2 ranks.
@@ -416,3 +419,15 @@ def shm(tmp_path: Path) -> Iterator[Path]:
     """A private 400 MiB tmpfs for a ckptd's slots (``private_tmpfs``)."""
     with private_tmpfs(tmp_path / "shm") as d:
         yield d
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    """Three hosts: network namespaces on a bridge of their own (root), removed after."""
+    from trainguard.faults.netns import Hosts
+
+    h = Hosts(3).up()
+    try:
+        yield h
+    finally:
+        h.down()

@@ -139,15 +139,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
 
 
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    h = Hosts(3).up()
-    try:
-        yield h
-    finally:
-        h.down()
-
-
 @contextlib.contextmanager
 def _job_on(hosts: Hosts, tmp_path: Path, nodes: int, standby: int) -> Iterator[Job]:
     run_dir = tmp_path / "run"

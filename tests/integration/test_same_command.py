@@ -15,7 +15,6 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,15 +46,6 @@ SECRET = "a-secret-shared-by-the-hosts-0123"
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return fault_free_losses(tmp_path_factory, ["--nodes", "2"], ARGS)
-
-
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    h = Hosts(3).up()
-    try:
-        yield h
-    finally:
-        h.down()
 
 
 def _node_host(hosts: Hosts, node: str) -> int:
