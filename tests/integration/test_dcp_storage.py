@@ -226,3 +226,74 @@ def test_no_step_to_restore_says_what_to_do(tmp_path: Path) -> None:
         "    print('raised', 'Writer(step=N)' in str(e))\n",
     )
     assert out.split("\n")[:3] == ["None", "raised True", "raised True"], out
+
+
+def test_a_reused_writer_a_resaved_step_and_a_cast_on_load(tmp_path: Path) -> None:
+    """Found by trying to break it: a writer reused across saves takes each save's step from
+    its checkpoint_id; a step saved twice is refused (its first save stands in every tier);
+    a live tensor of another dtype is read from the durable step, cast as DCP casts."""
+    out = _one_process(
+        tmp_path,
+        "w = tgd.Writer(checkpointer=ck)\n"
+        "for s in (1, 2, 3):\n"
+        "    dcp.save({'w': torch.full((4,), float(s))}, storage_writer=w,\n"
+        "             checkpoint_id=f'x/step_{s}')\n"
+        "try:\n"
+        "    dcp.save({'w': torch.full((4,), 9.0)}, storage_writer=tgd.Writer(3, checkpointer=ck))\n"
+        "except BaseException as e:\n"
+        "    print('resave refused', 'saved already' in str(e))\n"
+        "ck.wait()\n"
+        "print(sorted(p.name for p in ck.root.iterdir() if p.name.startswith('step_')))\n"
+        "for s in (3,):\n"
+        "    t = {'w': torch.zeros(4)}; r = tgd.Reader(s, checkpointer=ck)\n"
+        "    dcp.load(t, storage_reader=r); print(r.tier, t['w'].tolist())\n"
+        "    t = {'w': torch.zeros(4)}; dcp.load(t, checkpoint_id=str(ck.root / f'step_{s}'))\n"
+        "    print('durable', t['w'].tolist())\n"
+        "t = {'w': torch.zeros(4, dtype=torch.bfloat16)}; r = tgd.Reader(2, checkpointer=ck)\n"
+        "dcp.load(t, storage_reader=r); print(r.tier, t['w'].dtype, t['w'].tolist())\n",
+    )
+    assert out.split("\n")[:5] == [
+        "resave refused True",
+        "['step_2', 'step_3']",  # keep=2
+        "memory [3.0, 3.0, 3.0, 3.0]",
+        "durable [3.0, 3.0, 3.0, 3.0]",
+        "durable torch.bfloat16 [2.0, 2.0, 2.0, 2.0]",
+    ], out
+
+
+def test_the_docs_snippet_without_close_commits_every_durable_step_at_exit(
+    tmp_path: Path,
+) -> None:
+    """The process's checkpointer is closed at exit: a script that never calls close() still
+    ends with every step durable (its persister's threads would otherwise die mid-write)."""
+    code = (
+        "import os, torch, torch.distributed.checkpoint as dcp, trainguard.dcp\n"
+        "for step in range(1, 4):\n"
+        "    dcp.save({'w': torch.full((2_000_000,), float(step))},\n"
+        "             storage_writer=trainguard.dcp.Writer(step))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TRAINGUARD_SHM_DIR": str(tmp_path)}, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == ["step_2", "step_3"], steps  # keep=2: the newest two, committed
+    assert not list(tmp_path.glob("trainguard-*"))  # its slots released
+    t = {"w": torch.zeros(2_000_000)}
+    dcp.load(t, checkpoint_id=str(tmp_path / "checkpoints" / "step_3"))
+    assert torch.equal(t["w"], torch.full((2_000_000,), 3.0))
+
+
+def test_wrong_argument_types_are_refused_naming_the_argument() -> None:
+    import trainguard.dcp as tgd
+
+    for bad in ("8", 9.5, True):
+        with pytest.raises(TypeError, match=r"Writer\(step=.*a step is an int"):
+            tgd.Writer(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"Reader\(step=.*a step is an int"):
+            tgd.Reader(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="give a trainguard Checkpointer"):
+        tgd.Writer(1, checkpointer="dir")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="steps are >= 0"):
+        tgd.Writer(-1)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -19,12 +21,49 @@ _default: Checkpointer | None = None
 def checkpointer() -> Checkpointer:
     """The process's ``Checkpointer`` behind every ``Writer`` and ``Reader`` that is not given
     one: its slots, its connection to ckptd, its durable root (``$TRAINGUARD_CKPT_DIR``, else
-    ``$TRAINGUARD_RUN_DIR/checkpoints``, else ``./checkpoints``). Made at the first call."""
+    ``$TRAINGUARD_RUN_DIR/checkpoints``, else ``./checkpoints``). Made at the first call and
+    closed at the interpreter's exit (``atexit``: the last durable step is committed first,
+    ``Checkpointer.close``); ``close()`` sooner to see its errors."""
     global _default
     with _lock:
         if _default is None:
             _default = Checkpointer()
+            atexit.register(_close_default)
         return _default
+
+
+def _close_default() -> None:
+    """At exit: wait for the last durable save of the process's checkpointer and release its
+    slots (without it the persister's threads die mid-write with the interpreter)."""
+    ck = _default
+    if ck is None:
+        return
+    try:
+        ck.close()
+    except Exception as e:  # at exit: say it, the exit status is the script's
+        print(f"trainguard: closing the DCP checkpointer at exit: {e}", file=sys.stderr)
+
+
+def check_step(step: object, what: str) -> int | None:
+    """``step`` as given to a Writer or Reader: None or an int >= 0. Raises TypeError or
+    ValueError naming the argument."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"{what}(step={step!r}): a step is an int (the training step number)")
+    if step < 0:
+        raise ValueError(f"{what}(step={step}): steps are >= 0")
+    return step
+
+
+def check_checkpointer(ck: object, what: str) -> Checkpointer | None:
+    """Raises TypeError unless ``ck`` is None or a Checkpointer."""
+    if ck is not None and not isinstance(ck, Checkpointer):
+        raise TypeError(
+            f"{what}(checkpointer={ck!r}): give a trainguard Checkpointer (e.g. "
+            "Checkpointer('/ckpt')), or leave it out for the process's"
+        )
+    return ck
 
 
 def resume_step() -> int | None:

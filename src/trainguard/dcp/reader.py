@@ -39,7 +39,13 @@ from trainguard.checkpoint.api import (
 from trainguard.checkpoint.backend import CkptdBackend
 from trainguard.checkpoint.checkpointer import Checkpointer
 from trainguard.checkpoint.tiers.memory import slot_paths, verified_slot
-from trainguard.dcp.common import UsesCheckpointer, done_future, step_of
+from trainguard.dcp.common import (
+    UsesCheckpointer,
+    check_checkpointer,
+    check_step,
+    done_future,
+    step_of,
+)
 from trainguard.runtime import api as rt_api
 
 
@@ -63,8 +69,8 @@ class Reader(UsesCheckpointer, StorageReader):
         self, step: int | None = None, *, checkpointer: Checkpointer | None = None
     ) -> None:
         super().__init__()
-        self.step = step
-        self._ck = checkpointer
+        self.step = check_step(step, "Reader")
+        self._ck = check_checkpointer(checkpointer, "Reader")
         self._id: str | os.PathLike[str] | None = None
         self.tier: str | None = None
         self._slot: tuple[Path, dict[str, Any], dict[str, list[int]] | None] | None = None
@@ -273,7 +279,12 @@ class Reader(UsesCheckpointer, StorageReader):
                 or (list(it.lengths) != list(e["shape"]))
             ):
                 return f"{it.dest_index.fqn}: this rank's live shard differs from its snapshot's"
-            targets[key] = planner.resolve_tensor(it).detach()
+            dest = planner.resolve_tensor(it).detach()
+            if str(dest.dtype).removeprefix("torch.") != e["dtype"]:  # DCP casts: the durable read
+                return (
+                    f"{it.dest_index.fqn}: saved as {e['dtype']}, the live tensor is {dest.dtype}"
+                )
+            targets[key] = dest
             reads[key] = it
         for key, e in layout.items():  # held but not asked for: read (its checksum) and dropped
             targets.setdefault(

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import os
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -32,9 +33,11 @@ from trainguard.checkpoint.api import (
 )
 from trainguard.checkpoint.checkpointer import Checkpointer
 from trainguard.checkpoint.pool import Lease, gc_paused
-from trainguard.dcp.common import UsesCheckpointer, step_of
+from trainguard.dcp.common import UsesCheckpointer, check_checkpointer, check_step, step_of
 
 STAGE_WAIT_S = 600.0  # a stage waits this long for the previous background save's publish
+# (step, generation) saved through each checkpointer: a step is saved once (see ``_once``)
+_SAVED: weakref.WeakKeyDictionary[Checkpointer, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
 def _entry_keys(items: list[WriteItem]) -> dict[tuple[str, tuple[int, ...] | None], str]:
@@ -87,10 +90,9 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
         checkpointer: Checkpointer | None = None,
     ) -> None:
         super().__init__()
-        if step is not None and step < 0:
-            raise ValueError(f"Writer(step={step}): steps are >= 0")
-        self.step, self.durable = step, durable
-        self._ck = checkpointer
+        self.step = self._given = check_step(step, "Writer")
+        self.durable = durable
+        self._ck = check_checkpointer(checkpointer, "Writer")
         self._local: list[WriteItem] = []
         self._staged: tuple[Lease, dict[str, Any], state_mod.Flat, bytes] | None = None
         self._published = threading.Event()
@@ -99,7 +101,7 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
 
     # ---------------------------------------------------------------- DCP's calls
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if self.step is None:
+        if self._given is None:  # each save's own checkpoint_id (a writer reused across saves)
             self.step = step_of(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -191,6 +193,7 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
                     "trainguard.dcp.Writer, or DTensor (FSDP2)"
                 )
             blob = state_mod.pack_objects(ck._codec.encode(flat.objects))
+        self._once(step)
         got = ck._lease(
             step, flat, len(blob), lambda: state_mod.flatten_converted(state_dict), self._durable()
         )
@@ -231,6 +234,19 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
                 "in it (e.g. 'step-100')"
             )
         return self.step
+
+    def _once(self, step: int) -> None:
+        """A step is saved once a generation: a second save of it would leave the memory tier
+        with the new state and the durable tier with the first (a committed step is never
+        replaced). Raises CheckpointError; the first save stands."""
+        point = (step, self.ck._rt.generation)
+        saved = _SAVED.setdefault(self.ck, set())
+        if point in saved:
+            raise CheckpointError(
+                f"step {step} was saved already in this run (generation {point[1]}); a step is "
+                "saved once: its first save stands, save the next step's number instead"
+            )
+        saved.add(point)
 
     def _identify(self) -> None:
         """Draw the run identity (at the first save: a broadcast on the default process group
@@ -282,6 +298,7 @@ class Writer(UsesCheckpointer, StorageWriter, AsyncStager):
             converted={}, tensors=tensors, shards=shards, objects=dict(objects), mappings=mappings
         )
         blob = state_mod.pack_objects(objects)
+        self._once(self._step())
         got = self.ck._lease(self._step(), flat, len(blob), lambda: flat, self._durable())
         if got is None:
             return None

@@ -73,12 +73,15 @@ def verified_slot(
             return None
         else:
             verified = Path(reply.slot).name
+    held = []
     for path in slot_paths(rk) if paths is None else paths:
         h = snapshot.peek_header(path)
-        if h is None or (h["step"], h["generation"]) != point:
-            continue
-        sums = None if path.name == verified else snapshot.read_sums(path, step, gen)
-        if sums is None and path.name != verified:
+        if h is not None and (h["step"], h["generation"]) == point:
+            held.append((path.name == verified, float(h.get("time", 0.0)), path, h))
+    # ckptd's verified slot, else the newest save of the point (a step saved twice: its last)
+    for is_verified, _, path, h in sorted(held, key=lambda x: (x[0], x[1]), reverse=True):
+        sums = None if is_verified else snapshot.read_sums(path, step, gen)
+        if sums is None and not is_verified:
             continue
         return path, h, sums
     return None
