@@ -117,3 +117,23 @@ def test_node_daemon_owns_the_slots_verifies_and_persists_then_goes(
     assert {k: os.environ.get(k) for k in env_before} == env_before
     assert not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE
     assert not [p for p in private_shm.iterdir() if p.name.startswith("trainguard")]
+
+
+def test_a_step_saved_twice_is_read_from_its_newest_snapshot_and_its_durable_copy_is_whole(
+    tmp_path: Path,
+) -> None:
+    """The persister writes a step's durable part once a generation: a second save of the
+    step (its first commit still renaming the directory) left a torn step reported as saved.
+    Memory serves the newest save; the durable step is the first, whole and verified."""
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(5, {"w": torch.full((1000,), 1.0)})
+    ck.save(5, {"w": torch.full((1000,), 2.0)})
+    ck.wait()
+    got = {"w": torch.zeros(1000)}
+    assert ck.load_memory(got) == 5 and torch.equal(got["w"], torch.full((1000,), 2.0))
+    ck.close()
+    assert storage.newest_verified(tmp_path / "ck")[0] == 5
+    again = Checkpointer(tmp_path / "ck")
+    got = {"w": torch.zeros(1000)}
+    assert again.load(got) == 5 and torch.equal(got["w"], torch.full((1000,), 1.0))
+    again.close()

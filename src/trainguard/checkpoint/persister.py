@@ -139,6 +139,10 @@ class Persister:
         self._newest_gen = -1  # newest generation seen: an older one's missing parts never come
         self._failed: dict[int, str] = {}  # step → why its part could not be persisted here
         self._commit_failed: set[int] = set()  # ... those of them whose commit failed
+        # (rank, step, generation) whose durable part was written: a step saved twice in a
+        # generation keeps its first durable copy (a second part would be written into the
+        # directory its commit is renaming: a torn step)
+        self._parted: set[tuple[int, int, int]] = set()
         # Read-only mappings of slots, kept across saves: mapping a slot anew sets up its page
         # tables every time (as long as copying it). Used by the persister thread only.
         self._maps: dict[str, tuple[tuple[int, int], snapshot.Slot]] = {}
@@ -420,6 +424,11 @@ class Persister:
                     self._verifying = False
                 if not durable:
                     return
+                if (rank, step, gen) in self._parted:
+                    self.emit("ckpt_durable_kept", rank=rank, step=step, snapshot_generation=gen,
+                              reason="the step was saved again; its first durable copy stands")  # fmt: skip
+                    return
+                self._parted.add((rank, step, gen))
                 from trainguard.checkpoint import dcp_part  # torch, DCP: loaded by ckptd at start
 
                 tensors, blob = slot.views(h)
