@@ -126,7 +126,19 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     # one at a time, the controller's host until its controller listens: two cannot both
     # find the endpoint free.
     decide = open(Path(tempfile.gettempdir()) / f"trainguard-rdzv-{host}-{port}.lock", "a")  # noqa: SIM115
-    fcntl.flock(decide, fcntl.LOCK_EX)
+    deadline = time.monotonic() + LISTEN_WAIT_S + 30.0  # the holder waits LISTEN_WAIT_S at most
+    while True:
+        try:
+            fcntl.flock(decide, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"another trainguard run on this host has held {decide.name} for over "
+                    f"{LISTEN_WAIT_S + 30:.0f}s without its controller listening at {host}:{port}; "
+                    "is it stuck? stop it, or give this host --node-rank"
+                ) from None
+            time.sleep(0.1)
     controller = is_controller(host, port, args.node_rank)
     if not controller:
         decide.close()

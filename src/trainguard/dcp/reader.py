@@ -38,7 +38,7 @@ from trainguard.checkpoint.api import (
 )
 from trainguard.checkpoint.backend import CkptdBackend
 from trainguard.checkpoint.checkpointer import Checkpointer
-from trainguard.checkpoint.tiers.memory import slot_paths, verified_slot
+from trainguard.checkpoint.tiers.memory import has_slot, verified_slot
 from trainguard.dcp.common import (
     UsesCheckpointer,
     check_checkpointer,
@@ -102,7 +102,7 @@ class Reader(UsesCheckpointer, StorageReader):
             self.tier = "memory"
             if (
                 ck._rt.supervised
-                and not self._holds(side, (step, gen), paths)
+                and not has_slot(side, (step, gen))
                 and self._pull_replica(side, (step, gen))
             ):
                 self.tier = "replica"
@@ -211,10 +211,6 @@ class Reader(UsesCheckpointer, StorageReader):
         heads = (snapshot.peek_header(p) for p in self._own_slots())
         return sorted((int(h["step"]), int(h["generation"])) for h in heads if h is not None)
 
-    def _holds(self, side: Any, point: tuple[int, int], paths: list[Path] | None) -> bool:
-        heads = (snapshot.peek_header(p) for p in (slot_paths(side) if paths is None else paths))
-        return any(h is not None and (h["step"], h["generation"]) == point for h in heads)
-
     def _pull_replica(self, side: Any, point: tuple[int, int]) -> bool:
         """A replaced node's rank: have ckptd pull the replica of ``point`` from the peer that
         holds it into a local slot (verified). False when there is none."""
@@ -313,11 +309,9 @@ class Reader(UsesCheckpointer, StorageReader):
 
     def _failed(self, step: int, tier: str, problems: list[str]) -> None:
         """Tell the controller at once (the rank raises next): it excludes the point."""
-        rt = self.ck._rt
-        if rt.supervised:
-            rt.event_now("ckpt_restore_failed", step=step,
-                         point_generation=int(os.environ.get(rt_api.ENV_RESTORE_GEN, "-1")),
-                         tier=tier, problems=problems[:4])  # fmt: skip
+        if self.ck._rt.supervised:
+            gen = int(os.environ.get(rt_api.ENV_RESTORE_GEN, "-1"))
+            self.ck._restore_failed(rank_world()[0], step, gen, tier, problems)
 
 
 def _memory_metadata(path: Path, h: dict[str, Any]) -> Metadata | None:
