@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 ENV_SECRET = "TRAINGUARD_SECRET"
 AGENT_GRACE_S = 60.0  # after the controller ends: its agent's time to see that and exit
@@ -125,20 +126,7 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     # Several of these commands on one host (srun's tasks on a node, simulated nodes) decide
     # one at a time, the controller's host until its controller listens: two cannot both
     # find the endpoint free.
-    decide = open(Path(tempfile.gettempdir()) / f"trainguard-rdzv-{host}-{port}.lock", "a")  # noqa: SIM115
-    deadline = time.monotonic() + LISTEN_WAIT_S + 30.0  # the holder waits LISTEN_WAIT_S at most
-    while True:
-        try:
-            fcntl.flock(decide, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise ValueError(
-                    f"another trainguard run on this host has held {decide.name} for over "
-                    f"{LISTEN_WAIT_S + 30:.0f}s without its controller listening at {host}:{port}; "
-                    "is it stuck? stop it, or give this host --node-rank"
-                ) from None
-            time.sleep(0.1)
+    decide = _decision_lock(host, port)
     controller = is_controller(host, port, args.node_rank)
     if not controller:
         decide.close()
@@ -203,3 +191,23 @@ def _wait_listening(host: str, port: int, ctl: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
             return
         time.sleep(0.1)
+
+
+def _decision_lock(host: str, port: int) -> IO[str]:
+    """This host's lock for deciding who runs the controller (held by the controller's host
+    until it listens). Raises ValueError past LISTEN_WAIT_S + 30 s."""
+    decide = open(Path(tempfile.gettempdir()) / f"trainguard-rdzv-{host}-{port}.lock", "a")  # noqa: SIM115
+    deadline = time.monotonic() + LISTEN_WAIT_S + 30.0  # the holder waits LISTEN_WAIT_S at most
+    while True:
+        try:
+            fcntl.flock(decide, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"another trainguard run on this host has held {decide.name} for over "
+                    f"{LISTEN_WAIT_S + 30:.0f}s without its controller listening at {host}:{port}; "
+                    "is it stuck? stop it, or give this host --node-rank"
+                ) from None
+            time.sleep(0.1)
+    return decide
