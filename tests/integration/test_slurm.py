@@ -97,9 +97,12 @@ def test_a_preempted_job_is_requeued_and_resumes_with_the_losses_of_an_uninterru
     evs = events(run)
     stop = [e for e in evs if e["kind"] == "planned_stop"]
     assert len(stop) == 1 and stop[0]["saved_step"] >= 40, stop
-    # The requeued job restored the saved step: nothing before it was computed again.
-    gens = [e for e in evs if e["kind"] == "generation_started"]
-    assert gens[-1].get("restore_step") == stop[0]["saved_step"], gens[-1]
+    # The requeued job's first generation restored the saved step: nothing before it was
+    # computed again. (A later recovery of the requeued job, as a node loss on a loaded CI
+    # machine, is allowed: the losses below still have to match.)
+    after = [e for e in evs if e["kind"] == "generation_started" and e["ts"] > stop[0]["ts"]]
+    faults = [e for e in evs if e["kind"] in ("fault", "fault_refined")]
+    assert after and after[0].get("restore_step") == stop[0]["saved_step"], (after, faults)
     assert losses(run) == reference
     assert "requeueing job" in _output(run)
 
