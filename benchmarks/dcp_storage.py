@@ -18,7 +18,11 @@ real ckptd (``node_daemon``) owning the slots, on one gloo rank. In alternating 
 Run: ``python benchmarks/dcp_storage.py --size-gb 1 --json`` (``--smoke``: 8 MiB, 2 rounds).
 Keys: ``dcp_async_stall_over_checkpointer``, ``dcp_restore_over_checkpointer`` (the
 issue's targets: ≤ 1), ``dcp_async_stall_over_memcpy``, ``dcp_sync_stall_over_memcpy``,
-``dcp_default_async_stall_over_memcpy``, ``checkpointer_stall_over_memcpy``.
+``dcp_default_async_stall_over_memcpy``, ``checkpointer_stall_over_memcpy``, and
+``dcp_restore_excess_over_planning``: how much of the restore's excess over the Checkpointer's
+DCP's own local load planning accounts for (``dcp_load_planning_s``, timed alone through
+``DefaultLoadPlanner``: ``dcp.load`` runs it before a storage reader sees any plan). Each
+round alternates which of a pair goes first.
 """
 
 from __future__ import annotations
@@ -55,6 +59,22 @@ def _timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def _planning(state: dict[str, Any], step: int, ck: Any) -> float:
+    """DCP's own local load planning for ``state`` against the step's metadata (what
+    ``dcp.load`` runs before any storage reader sees a plan: ``DefaultLoadPlanner``'s
+    flattening and read items), timed alone through DCP's public planner interface."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    import trainguard.dcp
+
+    md = trainguard.dcp.Reader(step, checkpointer=ck).read_metadata()
+    t0 = time.perf_counter()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, md, True)
+    planner.create_local_plan()
+    return time.perf_counter() - t0
+
+
 def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
     import trainguard.dcp
     from trainguard import Checkpointer
@@ -72,6 +92,7 @@ def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
     t: dict[str, list[float]] = {k: [] for k in (
         "checkpointer_stall_s", "dcp_async_stall_s", "dcp_sync_stall_s",
         "dcp_default_async_stall_s", "checkpointer_restore_s", "dcp_restore_s",
+        "dcp_load_planning_s",
     )}  # fmt: skip
     tiers: set[str] = set()
     try:
@@ -87,16 +108,23 @@ def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
             for i in range(rounds):
                 step = 10 * (i + 1)
                 mc.sample()
-                s, _ = _timed(lambda step=step: ck.save(step, state))
-                t["checkpointer_stall_s"].append(s)
-                ck.wait_persisted()
-                s, fut = _timed(lambda step=step: dcp.async_save(
-                    state, storage_writer=trainguard.dcp.Writer(step + 1, checkpointer=ck),
-                    process_group=group,
-                ))  # fmt: skip
-                fut.result()
-                t["dcp_async_stall_s"].append(s)
-                ck.wait_persisted()
+
+                def ck_save(step: int = step) -> None:
+                    s, _ = _timed(lambda: ck.save(step, state))
+                    t["checkpointer_stall_s"].append(s)
+                    ck.wait_persisted()
+
+                def dcp_async(step: int = step) -> None:
+                    s, fut = _timed(lambda: dcp.async_save(
+                        state, storage_writer=trainguard.dcp.Writer(step + 1, checkpointer=ck),
+                        process_group=group,
+                    ))  # fmt: skip
+                    fut.result()
+                    t["dcp_async_stall_s"].append(s)
+                    ck.wait_persisted()
+
+                for fn in (ck_save, dcp_async) if i % 2 == 0 else (dcp_async, ck_save):
+                    fn()  # alternating which goes first: neither gets the warmer round
                 s, _ = _timed(lambda step=step: dcp.save(
                     state, storage_writer=trainguard.dcp.Writer(step + 2, checkpointer=ck)
                 ))  # fmt: skip
@@ -112,14 +140,21 @@ def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
                 # restores: the newest snapshot each (ckptd verified it at its staging)
                 ck.save(step + 3, state)
                 ck.load_memory(state)  # ckptd's verification for this generation, once
-                s, _ = _timed(lambda: ck.load_memory(state))
-                t["checkpointer_restore_s"].append(s)
-                reader = trainguard.dcp.Reader(step + 2, checkpointer=ck)
-                dcp.load(state, storage_reader=reader)  # the same: verified once
-                reader = trainguard.dcp.Reader(step + 2, checkpointer=ck)
-                s, _ = _timed(lambda reader=reader: dcp.load(state, storage_reader=reader))
-                t["dcp_restore_s"].append(s)
-                tiers.add(str(reader.tier))
+                dcp.load(state, storage_reader=trainguard.dcp.Reader(step + 2, checkpointer=ck))
+
+                def ck_load() -> None:
+                    s, _ = _timed(lambda: ck.load_memory(state))
+                    t["checkpointer_restore_s"].append(s)
+
+                def dcp_load(step: int = step) -> None:
+                    reader = trainguard.dcp.Reader(step + 2, checkpointer=ck)
+                    s, _ = _timed(lambda: dcp.load(state, storage_reader=reader))
+                    t["dcp_restore_s"].append(s)
+                    tiers.add(str(reader.tier))
+
+                for fn in (ck_load, dcp_load) if i % 2 == 0 else (dcp_load, ck_load):
+                    fn()
+                t["dcp_load_planning_s"].append(_planning(state, step + 2, ck))
             ck.close()
     finally:
         os.environ.pop("TRAINGUARD_SHM_DIR", None)
@@ -141,6 +176,9 @@ def run(size_gb: float, rounds: int, base: Path) -> dict[str, Any]:
         "dcp_default_async_stall_over_memcpy": r["dcp_default_async_stall_s"] / m,
         "checkpointer_stall_over_memcpy": c / m,
         "dcp_restore_over_memcpy": r["dcp_restore_s"] / m,
+        # the restore's excess over the Checkpointer's against DCP's own planning alone
+        "dcp_restore_excess_over_planning": (r["dcp_restore_s"] - r["checkpointer_restore_s"])
+        / r["dcp_load_planning_s"],
     })  # fmt: skip
     return r
 

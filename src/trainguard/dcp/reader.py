@@ -283,9 +283,8 @@ class Reader(UsesCheckpointer, StorageReader):
             targets[key] = dest
             reads[key] = it
         for key, e in layout.items():  # held but not asked for: read (its checksum) and dropped
-            targets.setdefault(
-                key, torch.empty(tuple(e["shape"]), dtype=getattr(torch, e["dtype"]))
-            )
+            if key not in targets:
+                targets[key] = torch.empty(tuple(e["shape"]), dtype=getattr(torch, e["dtype"]))
         try:
             objects, replaced = snapshot.restore(path, h, sums, targets, snapshot.restore_threads())
         except CheckpointCorruptError as e:
