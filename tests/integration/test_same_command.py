@@ -17,6 +17,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import (
@@ -109,3 +110,61 @@ def test_the_same_line_on_three_hosts_trains_survives_a_lost_host_and_tees_each_
     assert not (run / "token").exists()  # the token never went to the shared run dir
     info = json.loads((run / "controller.json").read_text())
     assert info["addr"] == f"{hosts.addrs[0]}:29400"
+
+
+def test_a_host_with_another_secret_is_told_and_exits_and_a_killed_line_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """Two hosts on loopback (``--node-rank``, ``--local-addr``): the second exports another
+    secret; its agent is refused, says that the secrets differ, and the line exits 2 within
+    ~10 s of its first refusal. Then the first host's line is SIGKILLed: its controller and
+    agent get SIGTERM from the kernel (the job's planned stop), nothing of theirs outlives it,
+    and no file is left in the temp directory (the token went through pipes)."""
+    from tests.helpers.s3server import free_port
+
+    run = tmp_path / "run"
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(FAST_CONFIG)
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def line(rank: int, addr: str) -> list[str]:
+        return trainguard_cmd(
+            "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--node-rank", str(rank), "--local-addr", addr, "--run-dir", run, "--config", cfg,
+            "--inject", "slow:rank=0:factor=20", GPT, *TINY, "--steps", "400",
+        )  # fmt: skip
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    before = {p.name for p in tmp.iterdir() if p.name.startswith("trainguard")}
+    first_err = tmp_path / "h0.err"
+    with open(first_err, "wb") as err:
+        first = subprocess.Popen(
+            line(0, "127.0.0.1"), stdout=subprocess.DEVNULL, stderr=err,
+            env={**os.environ, "TRAINGUARD_SECRET": SECRET},
+        )  # fmt: skip
+    children: list[int] = []
+    try:
+        wait_for(lambda: reached_step(run, 2), 120, "step 2 on the first host")
+        children = [c.pid for c in psutil.Process(first.pid).children(recursive=True)]
+        other = subprocess.run(
+            line(1, "127.0.0.2"), capture_output=True, text=True, timeout=120,
+            env={**os.environ, "TRAINGUARD_SECRET": "another-secret-entirely-0123456"},
+        )  # fmt: skip
+        assert other.returncode == 2, other.stderr[-2000:]
+        refused = [x for x in other.stderr.splitlines() if "TRAINGUARD_SECRET" in x]
+        assert refused and "differs" in refused[0], other.stderr[-2000:]
+        assert first.poll() is None  # the job was not disturbed
+        first.kill()  # the whole line, by SIGKILL: its children are told by the kernel
+        first.wait(timeout=30)
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in children), 60, "its children")
+    finally:
+        for p in [first.pid, *children]:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(p).kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            first.wait(timeout=30)
+        job = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:8]
+        drop_segments(f"trainguard-{job}-*")
+    assert [e for e in events(run) if e["kind"] == "planned_stop"], first_err.read_text()[-2000:]
+    after = {p.name for p in tmp.iterdir() if p.name.startswith("trainguard")}
+    assert after <= before, after - before

@@ -42,3 +42,41 @@ def test_the_first_to_bind_runs_the_controller_and_the_next_joins() -> None:
         assert not is_controller("127.0.0.1", port, None)  # bound here already: join it
     assert is_controller("127.0.0.1", port, None)  # free: this one runs it
     assert is_controller("127.0.0.1", port, 0) and not is_controller("127.0.0.1", port, 1)
+
+
+def test_one_command_a_host_decides_at_a_time_and_a_dead_holder_frees_the_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decision lock is an abstract Unix socket: a second command waits (here: past a
+    shortened deadline, a ValueError naming the fix); closing the first, or its process
+    dying however it dies, frees it; nothing is left on disk."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from trainguard.cli import hosts
+
+    tmp = Path(tempfile.gettempdir())
+    before = {p.name for p in tmp.iterdir()}
+    monkeypatch.setattr(hosts, "LISTEN_WAIT_S", -29.8)  # a deadline 0.2 s away
+    held = hosts._decision_lock("10.9.9.9", 29411)
+    with pytest.raises(ValueError, match="--node-rank"):
+        hosts._decision_lock("10.9.9.9", 29411)
+    held.close()
+    hosts._decision_lock("10.9.9.9", 29411).close()
+    # held by another process that is then SIGKILLed: free again
+    code = (
+        "import sys, time; from trainguard.cli import hosts; "
+        "lock = hosts._decision_lock('10.9.9.9', 29411); print('held', flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError):
+            hosts._decision_lock("10.9.9.9", 29411)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    hosts._decision_lock("10.9.9.9", 29411).close()
+    assert {p.name for p in tmp.iterdir()} - before == set()

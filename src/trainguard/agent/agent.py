@@ -85,6 +85,17 @@ TEE_S = 0.25  # --tee: how often its workers' new output is printed
 # heartbeat timeouts the same way, from observed intervals times a safety factor.
 CALIBRATION_FACTOR = 10.0
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when it gave up on its controller
+EXIT_WRONG_SECRET = 2  # ... when the controller refused its derived token (a wrong secret)
+# A token derived from $TRAINGUARD_SECRET (`trainguard run --rdzv-endpoint`) that the controller
+# refuses this long is refused for good: the agent says why and exits.
+WRONG_SECRET_S = 10.0
+
+
+def _token_from_secret() -> bool:
+    """Was this agent's token derived from $TRAINGUARD_SECRET by `trainguard run`?"""
+    return os.environ.get(rt_api.ENV_TOKEN_SOURCE) == "secret"
+
+
 SIGNALS_S = 2.0  # hardware counters (failure prediction) read at most this often
 
 
@@ -137,6 +148,8 @@ class Agent:
         self._last_warned = -1e9  # when we last logged that the controller is unreachable
         self._fenced_generation = -1  # never restart these workers: the job moved on
         self._refused_since: float | None = None  # the controller refuses our node id (409)
+        self._unauthorized_since: float | None = None  # ... or our token (401)
+        self._exit_code = 0  # a reason of our own to exit non-zero (a token that cannot work)
         self.cfg = cfg
         self._link = link or (  # kept-alive, per thread; through the rack's relay if any
             RoutedLink(cfg.controller, cfg.relay, cfg.token)
@@ -287,7 +300,7 @@ class Agent:
             self._ckptd_off.set()
             self._ckptd_now.set()
             self.report_once(timeout_s=2.0)
-        return code
+        return code or self._exit_code
 
     def loop_once(self) -> bool:
         """One pass of the main loop (``run`` repeats it every LOOP_S s or on a wake-up):
@@ -792,6 +805,12 @@ class Agent:
         self._last_warned = now
         if isinstance(e, HTTPStatusError) and e.code in (400, 409):
             log.error("controller %s: %s", self.cfg.controller, e.text)
+        elif isinstance(e, HTTPStatusError) and e.code == 401 and _token_from_secret():
+            log.error(
+                "controller %s rejected our token: $%s on this host differs from the one on "
+                "the controller's host; export the same secret on every host",
+                self.cfg.controller, rt_api.ENV_SECRET,
+            )  # fmt: skip
         elif isinstance(e, HTTPStatusError) and e.code == 401:
             log.error(
                 "controller %s rejected our token; pass the job's token file (RUN_DIR/token)",
@@ -814,7 +833,7 @@ class Agent:
                 else self._request("POST", "/v1/report", body, timeout_s)
             )
             self._accept(reply)
-            self._refused_since = None
+            self._refused_since = self._unauthorized_since = None
             # Through a relay: its own last exchange with the controller is the contact.
             self._last_report_ok = time.monotonic() - float(reply.get("upstream_age_s") or 0.0)
             return True
@@ -824,6 +843,13 @@ class Agent:
                 first = self._refused_since = self._refused_since or time.monotonic()
                 if time.monotonic() - first > 30.0:  # not a reboot race: a name clash
                     log.error("giving up: another live agent uses node id %s", self.cfg.node_id)
+                    self._shutdown.set()
+            if isinstance(e, HTTPStatusError) and e.code == 401 and _token_from_secret():
+                first = self._unauthorized_since = self._unauthorized_since or time.monotonic()
+                if time.monotonic() - first > WRONG_SECRET_S:  # a derived token never changes
+                    log.error("giving up: the controller refuses the token derived from $%s; "
+                              "export the same secret on every host", rt_api.ENV_SECRET)  # fmt: skip
+                    self._exit_code = EXIT_WRONG_SECRET
                     self._shutdown.set()
             with self._lock:  # keep what was not delivered for the next attempt (bounded)
                 self._events[:0] = snap.events[-10_000:]

@@ -68,11 +68,15 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: (got.append(s), controller.request_stop()))
-    print(
-        f"trainguard: controller on {host}:{port} ({'resumed' if resume else 'new job'}); "
-        f"start one agent per host: trainguard agent --controller {host}:{port} "
+    how = (  # a token handed over by `trainguard run --rdzv-endpoint` (a pipe): its line joins
+        "run the same `trainguard run --rdzv-endpoint` line on every host"
+        if str(token_file).startswith("/dev/fd/")
+        else f"start one agent per host: trainguard agent --controller {host}:{port} "
         f"--token-file {token_file} --run-dir {cfg.run_dir} --node-id <name> "
-        "--advertise-addr <the host's address>",
+        "--advertise-addr <the host's address>"
+    )
+    print(
+        f"trainguard: controller on {host}:{port} ({'resumed' if resume else 'new job'}); {how}",
         file=sys.stderr,
         flush=True,
     )

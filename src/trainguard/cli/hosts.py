@@ -10,9 +10,11 @@ On each host the command decides its part:
 - **every other host** (``--node-rank R`` > 0, or the endpoint already bound or not an address of
   this host) runs an agent that joins the controller at HOST:PORT.
 
-The job token is never written to shared storage: every host derives it from the secret
-(HMAC-SHA256 of the endpoint under ``$TRAINGUARD_SECRET``), keeps it in a private file (0600)
-for its processes and removes it at exit. Each host's agent is started with ``--tee``: the
+The job token is never written to any file: every host derives it from the secret
+(HMAC-SHA256 of the endpoint under ``$TRAINGUARD_SECRET``) and hands it to its controller and
+agent through a pipe each (``--token-file /dev/fd/N``), so a host killed with SIGKILL leaves
+nothing behind. An agent whose secret differs from the controller's host's is refused (401);
+it says so and exits (status 2) after ``WRONG_SECRET_S``. Each host's agent is started with ``--tee``: the
 host's console shows its own ranks' output, each line prefixed ``[rankN]:`` (torchrun's
 ``--tee``). The agent advertises the address this host reaches the endpoint from (never
 127.0.1.1, Debian's ``hostname -i``); ``--local-addr`` names another. Without ``--run-dir``
@@ -27,7 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import fcntl
+import functools
 import hashlib
 import hmac
 import os
@@ -35,12 +37,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import IO
 
-ENV_SECRET = "TRAINGUARD_SECRET"
+from trainguard.runtime.api import ENV_SECRET, ENV_TOKEN_SOURCE
+from trainguard.runtime.process import die_with_parent
+
 AGENT_GRACE_S = 60.0  # after the controller ends: its agent's time to see that and exit
 LISTEN_WAIT_S = 120.0  # the controller's time to listen (a torch import, its store) on this host
 # `trainguard run` flags that the controller does not take (value-taking ones: True)
@@ -137,51 +139,67 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     node_id = f"{socket.gethostname().split('.')[0]}-{addr.replace('.', '-').replace(':', '-')}"
     me = [sys.executable, "-m", "trainguard"]
-    with tempfile.TemporaryDirectory(prefix="trainguard-") as d:
-        token_file = Path(d) / "token"
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(derive_token(secret, f"{host}:{port}"))
-        agent = [*me, "agent", "--controller", f"{host}:{port}", "--token-file", str(token_file),
-                 "--advertise-addr", addr, "--run-dir", str(run_dir), "--node-id", node_id,
-                 "--tee"]  # fmt: skip
-        children: list[subprocess.Popen[bytes]] = []
+    token = derive_token(secret, f"{host}:{port}")
+    agent = [*me, "agent", "--controller", f"{host}:{port}", "--advertise-addr", addr,
+             "--run-dir", str(run_dir), "--node-id", node_id, "--tee"]  # fmt: skip
+    children: list[subprocess.Popen[bytes]] = []
 
-        def forward(sig: int, _: object) -> None:
-            for c in children:
-                with contextlib.suppress(ProcessLookupError):
-                    c.send_signal(sig)
+    def forward(sig: int, _: object) -> None:
+        for c in children:
+            with contextlib.suppress(ProcessLookupError):
+                c.send_signal(sig)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, forward)
-        try:
-            if controller:
-                ctl = [*me, "controller", "--rdzv-endpoint", f"{host}:{port}", "--token-file",
-                       str(token_file), "--run-dir", str(run_dir),
-                       *controller_argv(argv, 1 + len(args.script_args))]  # fmt: skip
-                print(f"trainguard: this host runs the controller at {host}:{port} and node "
-                      f"{node_id}", file=sys.stderr, flush=True)  # fmt: skip
-                children.append(subprocess.Popen(ctl))
-                _wait_listening(host, port, children[0])
-                decide.close()
-            else:
-                print(f"trainguard: this host joins {host}:{port} as node {node_id}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            children.append(subprocess.Popen(agent))
-            if not controller:
-                return children[0].wait()
-            code = children[0].wait()
-            try:  # a job that ended: its agent sees it and exits; a controller that failed
-                children[1].wait(timeout=AGENT_GRACE_S if code == 0 else 0.1)
-            except subprocess.TimeoutExpired:
-                children[1].terminate()
-                children[1].wait(timeout=30)
-            return code
-        finally:
-            for c in children:
-                if c.poll() is None:
-                    c.kill()
-                    c.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    try:
+        if controller:
+            ctl = [*me, "controller", "--rdzv-endpoint", f"{host}:{port}",
+                   "--run-dir", str(run_dir),
+                   *controller_argv(argv, 1 + len(args.script_args))]  # fmt: skip
+            print(f"trainguard: this host runs the controller at {host}:{port} and node "
+                  f"{node_id}", file=sys.stderr, flush=True)  # fmt: skip
+            children.append(_with_token(ctl, token))
+            _wait_listening(host, port, children[0])
+            decide.close()
+        else:
+            print(f"trainguard: this host joins {host}:{port} as node {node_id}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        children.append(_with_token(agent, token, {**os.environ, ENV_TOKEN_SOURCE: "secret"}))
+        if not controller:
+            return children[0].wait()
+        code = children[0].wait()
+        try:  # a job that ended: its agent sees it and exits; a controller that failed
+            children[1].wait(timeout=AGENT_GRACE_S if code == 0 else 0.1)
+        except subprocess.TimeoutExpired:
+            children[1].terminate()
+            children[1].wait(timeout=30)
+        return code
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+
+
+def _with_token(
+    argv: list[str], token: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (``python -m trainguard SUBCOMMAND …``) with ``--token-file /dev/fd/N``
+    after its subcommand: the read end of a pipe holding the token (read once at its start;
+    no file, nothing left by a kill). The child gets SIGTERM when this process dies."""
+    r, w = os.pipe()
+    try:
+        os.write(w, token.encode())
+    finally:
+        os.close(w)
+    try:
+        cmd = [*argv[:4], "--token-file", f"/dev/fd/{r}", *argv[4:]]
+        # SIGTERM when this command dies, even by SIGKILL: the controller stops the job (its
+        # planned stop), the agent its workers; neither outlives the line that started it.
+        stop_with_me = functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
+        return subprocess.Popen(cmd, pass_fds=(r,), env=env, preexec_fn=stop_with_me)
+    finally:
+        os.close(r)
 
 
 def _wait_listening(host: str, port: int, ctl: subprocess.Popen[bytes]) -> None:
@@ -193,19 +211,26 @@ def _wait_listening(host: str, port: int, ctl: subprocess.Popen[bytes]) -> None:
         time.sleep(0.1)
 
 
-def _decision_lock(host: str, port: int) -> IO[str]:
+def _decision_lock(host: str, port: int) -> socket.socket:
     """This host's lock for deciding who runs the controller (held by the controller's host
-    until it listens). Raises ValueError past LISTEN_WAIT_S + 30 s."""
-    decide = open(Path(tempfile.gettempdir()) / f"trainguard-rdzv-{host}-{port}.lock", "a")  # noqa: SIM115
+    until it listens): a Unix socket bound to an abstract name, which the kernel frees when
+    its holder exits, however it exits (no file is left), and which is per network namespace
+    as a host's addresses are. Raises ValueError past LISTEN_WAIT_S + 30 s."""
+    name = f"\0trainguard-rdzv-{host}-{port}"
+    decide = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.monotonic() + LISTEN_WAIT_S + 30.0  # the holder waits LISTEN_WAIT_S at most
     while True:
         try:
-            fcntl.flock(decide, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            decide.bind(name)
             break
-        except BlockingIOError:
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                decide.close()
+                raise
             if time.monotonic() > deadline:
+                decide.close()
                 raise ValueError(
-                    f"another trainguard run on this host has held {decide.name} for over "
+                    f"another trainguard run on this host has been deciding for over "
                     f"{LISTEN_WAIT_S + 30:.0f}s without its controller listening at {host}:{port}; "
                     "is it stuck? stop it, or give this host --node-rank"
                 ) from None

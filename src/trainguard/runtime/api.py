@@ -9,6 +9,10 @@ from __future__ import annotations
 
 ENV_AGENT_ADDR = "TRAINGUARD_AGENT_ADDR"  # host:port of the agent's UDP report socket
 ENV_TOKEN = "TRAINGUARD_TOKEN"  # hex job token, signs reports (wire.py)
+# the shared secret every host of `trainguard run --rdzv-endpoint` derives the job token from
+ENV_SECRET = "TRAINGUARD_SECRET"
+# "secret": the agent's token was derived from ENV_SECRET (cli/hosts.py), so a refusal is final
+ENV_TOKEN_SOURCE = "TRAINGUARD_TOKEN_SOURCE"
 ENV_RUN_DIR = "TRAINGUARD_RUN_DIR"  # the job's run directory
 ENV_GENERATION = "TRAINGUARD_GENERATION"  # rendezvous epoch, 0-based
 ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"  # step every rank restores, "" for none

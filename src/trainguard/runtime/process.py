@@ -14,10 +14,12 @@ import signal
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when ``parent`` (the process that
+    started it) dies; exit at once if it is gone already. Linux only (elsewhere: nothing)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):  # non-Linux: rely on the agent's kill path
         return
     if os.getppid() != parent:  # the agent died before prctl took effect
