@@ -7,7 +7,8 @@ from the memory tier, and the losses equal, step for step, those of a run with n
 same script under plain torchrun resumes from the durable tier, which plain ``dcp.load``
 reads as well. The save and load paths are exercised in one process too: a sync
 ``dcp.save``, an async one, a resharded load re-planned against the durable step, a corrupt
-snapshot found while copying, and a missing step."""
+snapshot found while copying, and a missing step. In-process recovery (``trainguard.run``)
+restores through the same reader."""
 
 from __future__ import annotations
 
@@ -83,6 +84,48 @@ def test_kill_9_restores_through_dcp_from_memory_with_the_same_losses(
     assert {e["tier"] for e in loads} == {"memory"}, loads  # ckptd kept the snapshots
     assert {e["step"] for e in loads} == {loads[0]["step"]} and loads[0]["step"] >= 6
     assert all(e.get("via") == "dcp" for e in loads)
+
+
+INPROCESS_DCP = ROOT / "tests" / "helpers" / "userscripts" / "inprocess_dcp.py"
+
+
+@pytest.mark.slow  # two jobs, three recoveries (~60 s here)
+def test_in_process_recoveries_restore_through_dcp_from_memory_with_the_same_losses(
+    tmp_path: Path,
+) -> None:
+    """``trainguard.run`` with FSDP2 and ``dcp.async_save`` on a group of the script's own
+    (inprocess_dcp.py): rank 1 is killed three times at a step's end, before its save, so
+    that rank 0's upload of the step it has just staged waits on its dead peer (the abort
+    breaks it); each time rank 0 keeps its process and
+    both ranks restore the agreed step through ``trainguard.dcp.Reader`` from memory, and
+    the losses equal a fault-free run's."""
+    from tests.conftest import report
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(FAST_CONFIG + "hang_timeout_min_s = 2.0\ninprocess_abort_s = 3.0\n")
+
+    def job(run: Path, *inject: str) -> dict[int, float]:
+        injects = [a for k in inject for a in ("--inject", k)]
+        res = subprocess.run(
+            trainguard_cmd("run", "--run-dir", run, "--config", cfg, "--nproc-per-node", "2",
+                           *injects, INPROCESS_DCP, "--steps", "30"),
+            capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return {int(d["step"]): d["loss"] for d in map(__import__("json").loads, lines)}
+
+    reference = job(tmp_path / "ref")
+    run = tmp_path / "run"
+    got = job(run, "kill:rank=1:step=8", "kill:rank=1:step=17", "kill:rank=1:step=25")
+    assert got == reference and sorted(got) == list(range(1, 31))
+    recs = report(run)["recoveries"]
+    pid0 = {e["pid"] for e in events(run) if e["kind"] == "worker_started" and e["rank"] == 0}
+    assert len(recs) == 3 and all(r["mode"] == "inprocess" for r in recs), recs
+    assert len(pid0) == 1 and all(r["kept"] == {"0": min(pid0)} for r in recs), recs
+    loads = [e for e in events(run) if e["kind"] == "ckpt_load_end"]
+    assert len(loads) == 6 and {e.get("tier") for e in loads} == {"memory"}, loads
+    assert {e.get("via") for e in loads} == {"dcp"}
 
 
 def test_plain_torchrun_resumes_from_the_durable_step_that_plain_dcp_reads(
