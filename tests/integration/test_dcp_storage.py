@@ -255,6 +255,31 @@ def test_a_corrupt_snapshot_is_read_from_the_durable_tier(tmp_path: Path) -> Non
     assert out.startswith("durable True"), out
 
 
+def test_a_standbys_prefetched_copy_serves_and_a_corrupt_one_falls_to_the_durable_root(
+    tmp_path: Path,
+) -> None:
+    """With no memory snapshot to use (``TRAINGUARD_RESTORE_MEMORY=0``, as after a world
+    change) and this node's prefetched copy of the step (``TRAINGUARD_PREFETCH_DIR``, a
+    standby's), the reader serves from it; a byte flipped in its largest data file is found
+    while read, and the same load finishes from the durable root, exact."""
+    out = _one_process(
+        tmp_path,
+        "dcp.save(state, storage_writer=tgd.Writer(3, checkpointer=ck)); ck.wait()\n"
+        "from pathlib import Path\n"
+        "from trainguard.checkpoint import prefetch\n"
+        "pre = Path('prefetched'); pre.mkdir(); prefetch.copy_step(ck.root, pre, 3)\n"
+        "os.environ.update(TRAINGUARD_PREFETCH_DIR=str(pre), TRAINGUARD_RESTORE_MEMORY='0')\n"
+        "got = fresh(); r = tgd.Reader(3, checkpointer=ck); dcp.load(got, storage_reader=r)\n"
+        "print(r.tier, same(got))\n"
+        "f = max((x for x in (pre / 'step_3').rglob('*') if x.is_file()),\n"
+        "        key=lambda x: x.stat().st_size)\n"
+        "b = bytearray(f.read_bytes()); b[len(b) // 2] ^= 1; f.write_bytes(bytes(b))\n"
+        "got = fresh(); r = tgd.Reader(3, checkpointer=ck); dcp.load(got, storage_reader=r)\n"
+        "print(r.tier, same(got))\n",
+    )
+    assert out.split("\n")[:2] == ["prefetched True", "durable True"], out
+
+
 def test_no_step_to_restore_says_what_to_do(tmp_path: Path) -> None:
     out = _one_process(
         tmp_path,

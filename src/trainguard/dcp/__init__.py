@@ -28,14 +28,16 @@ publishes the snapshot with the entries DCP's plan has this rank write
 run``; else the step named, else the newest this process or the durable root holds) from the
 fastest tier with a verified copy: this rank's snapshot in memory (a peer's replica pulled
 into a local slot first, for a replaced node's ranks), else the durable step, each file
-checked against its manifest as it is read. The memory tier serves a rank whose live shards
+checked against its manifest as it is read: this node's prefetched copy of it when a standby
+holds that point (a file that fails there is read from the durable root), else the durable
+root. The memory tier serves a rank whose live shards
 are the ones it saved (same world, same parallelism); any other read (a resharded state, a
 corrupt snapshot found while copying) is re-planned against the durable step's metadata. A
 restore that no tier can serve emits ``ckpt_restore_failed`` (the controller then picks an
 older point) and raises ``CheckpointNotFoundError`` / ``CheckpointCorruptError``.
 
-Not served by the DCP reader (the ``Checkpointer``'s restore reads them): a standby's
-prefetched copy and the cold tier (object storage). Lazily created optimizer state is DCP's
+Not served by the DCP reader (the ``Checkpointer``'s restore reads it): the cold tier (object
+storage). Lazily created optimizer state is DCP's
 business: build the state with ``torch.distributed.checkpoint.state_dict.get_state_dict``.
 
 Concurrency: a ``dcp.async_save`` runs DCP's collectives on a background thread; give it a

@@ -62,7 +62,8 @@ class Reader(UsesCheckpointer, StorageReader):
     ``read_metadata`` raises CheckpointNotFoundError when there is no step to restore (call
     ``resume_step()`` first: None means a fresh start) or no tier holds it;
     CheckpointCorruptError when the only copy fails its checks. ``tier`` says afterwards
-    which tier served this rank (``"memory"``, ``"replica"`` or ``"durable"``).
+    which tier served this rank (``"memory"``, ``"replica"``, ``"prefetched"`` or
+    ``"durable"``).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class Reader(UsesCheckpointer, StorageReader):
         self._t0 = 0.0
         self._pt: tuple[int, int] | None = None
         self._plan: LoadPlan | None = None
+        self._no_prefetch = False  # this node's prefetched copy failed: the durable root
 
     # ---------------------------------------------------------------- DCP's calls
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -112,7 +114,6 @@ class Reader(UsesCheckpointer, StorageReader):
                 if md is not None:
                     return md
                 self._slot = None
-        self.tier = "durable"
         return self._durable(step, gen)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -145,22 +146,28 @@ class Reader(UsesCheckpointer, StorageReader):
                 self._done(step, rank)
                 return done_future()
             ck._rt.event("ckpt_memory_mismatch", step=step, problem=problem)
-            self.tier = "durable"
             self._slot = None
             durable_md = self._durable(step, self._point()[1])
             self._fs.set_up_storage_reader(durable_md, self._is_coordinator)
             plan = _replan(plan, durable_md)
+        from trainguard.checkpoint.reader import CorruptFileError
+
         try:
             self._fs.read_data(plan, planner).wait()
-        except CheckpointCorruptError:
-            raise
-        except Exception as e:
-            from trainguard.checkpoint.reader import CorruptFileError
-
-            if isinstance(e, CorruptFileError):
+        except CorruptFileError as e:
+            if self.tier != "prefetched":
                 self._failed(step, "durable", [str(e)])
                 raise CheckpointCorruptError(f"step {step}: {e}") from None
-            raise
+            # the prefetched copy of the durable step failed while read: the durable root's
+            # files have the same metadata (a copy), so the same plan reads them whole
+            self._prefetch_failed(step, [str(e)])
+            durable_md = self._durable(step, self._point()[1])
+            self._fs.set_up_storage_reader(durable_md, self._is_coordinator)
+            try:
+                self._fs.read_data(plan, planner).wait()
+            except CorruptFileError as e2:
+                self._failed(step, "durable", [str(e2)])
+                raise CheckpointCorruptError(f"step {step}: {e2}") from None
         self._done(step, rank)
         return done_future()
 
@@ -227,9 +234,24 @@ class Reader(UsesCheckpointer, StorageReader):
 
     def _durable(self, step: int, gen: int) -> Metadata:
         """Open the durable step (manifest, sizes and metadata checked now, each data file's
-        checksum as it is read) and return its metadata."""
+        checksum as it is read) and return its metadata: this node's prefetched copy of it
+        (a standby's, ``$TRAINGUARD_PREFETCH_DIR``) when it holds that point whole, else the
+        durable root. Sets ``tier``."""
+        from trainguard.checkpoint import prefetch
         from trainguard.checkpoint.reader import VerifyingReader
 
+        pre = None if self._no_prefetch else prefetch.present(
+            os.environ.get(rt_api.ENV_PREFETCH_DIR), step, gen
+        )  # fmt: skip
+        if pre is not None:
+            problems, sums = storage.verify_for_load(pre, step)
+            if not problems:
+                self.tier = "prefetched"
+                self._fs = VerifyingReader(storage.step_dir(pre, step), sums, direct=True)
+                self._fs_md = self._fs.read_metadata()
+                return self._fs_md
+            self._prefetch_failed(step, problems)
+        self.tier = "durable"
         root = self.ck.root
         problems, sums = storage.verify_for_load(root, step)
         if problems:
@@ -300,8 +322,14 @@ class Reader(UsesCheckpointer, StorageReader):
             planner.load_bytes(it, io.BytesIO(objects[it.storage_index.fqn]))
         return None
 
+    def _prefetch_failed(self, step: int, problems: list[str]) -> None:
+        """This node's prefetched copy cannot serve: an event; the durable root serves."""
+        self._no_prefetch = True
+        self.ck._rt.event("ckpt_corrupt", step=step, tier="prefetched", problems=problems[:4])
+
     def _done(self, step: int, rank: int) -> None:
-        where = {"memory": "memory", "replica": "a peer's replica", "durable": str(self.ck.root)}
+        where = {"memory": "memory", "replica": "a peer's replica", "durable": str(self.ck.root),
+                 "prefetched": "this node's prefetched copy"}  # fmt: skip
         self.ck._rt.event("ckpt_load_end", step=step, tier=self.tier,
                           duration_s=time.time() - self._t0, via="dcp")  # fmt: skip
         say(f"rank {rank} restored step {step} from {where.get(self.tier or '', self.tier)} (DCP)")
