@@ -195,7 +195,9 @@ def table_rows(r: dict[str, Any]) -> list[Row]:
             f"{r['dcp_sync_stall_over_memcpy']:.2f}× memcpy, DCP's own async_save "
             f"{r['dcp_default_async_stall_over_memcpy']:.2f}×",
             target=verdict(
-                r["dcp_async_stall_over_checkpointer"], 1.0, "× Checkpointer",
+                r["dcp_async_stall_over_checkpointer"],
+                1.0,
+                "× Checkpointer",
                 "the same copy; DCP's upload thread starts planning before async_save returns",
             ),  # fmt: skip
         ),
@@ -205,7 +207,9 @@ def table_rows(r: dict[str, Any]) -> list[Row]:
             f"({r['dcp_restore_s']:.3f} s vs {r['checkpointer_restore_s']:.3f} s; DCP's own "
             f"load planning alone {r['dcp_load_planning_s'] * 1000:.0f} ms)",
             target=verdict(
-                r["dcp_restore_over_checkpointer"], 1.0, "× Checkpointer",
+                r["dcp_restore_over_checkpointer"],
+                1.0,
+                "× Checkpointer",
                 "the same verified copy, after DCP's planning",
             ),  # fmt: skip
         ),
