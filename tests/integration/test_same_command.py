@@ -156,7 +156,14 @@ def test_a_host_with_another_secret_is_told_and_exits_and_a_killed_line_leaves_n
         assert first.poll() is None  # the job was not disturbed
         first.kill()  # the whole line, by SIGKILL: its children are told by the kernel
         first.wait(timeout=30)
-        wait_for(lambda: not any(psutil.pid_exists(p) for p in children), 60, "its children")
+        try:
+            wait_for(lambda: not any(psutil.pid_exists(p) for p in children), 60, "its children")
+        except AssertionError as e:
+            left = []
+            for p in children:
+                with contextlib.suppress(psutil.Error):
+                    left.append(" ".join(psutil.Process(p).cmdline())[:160])
+            raise AssertionError(f"{e}: {left}\n{first_err.read_text()[-3000:]}") from None
     finally:
         for p in [first.pid, *children]:
             with contextlib.suppress(psutil.Error):

@@ -592,6 +592,33 @@ def test_a_planned_stop_persists_the_newest_memory_snapshot_before_the_restart()
     assert s.assignment == {"a": 0, "b": 1} and s.restore_step == 23 and s.persist is None
 
 
+def test_a_stop_whose_nodes_all_went_away_does_not_wait_out_the_persist_timeout() -> None:
+    """A stop requested (the launcher killed, its controller SIGTERMed): the persist of step
+    23 waits while the node reports; once no node of the assignment has reported for the
+    node timeout (its agent exited with the launcher), the stop ends at once with the
+    newest durable step, not after ``stop_persist_timeout_s`` (120 s)."""
+    from trainguard.controller.api import NodeObs, Phase, Pool
+    from trainguard.controller.config import JobConfig
+    from trainguard.controller.decide import JobState, decide
+
+    cfg = JobConfig.from_fields(script="t.py", run_dir="/tmp/x", nodes=1, preflight="off")
+    obs = {"a": NodeObs(node_id="a", addr="a", incarnation="i", last_seen=0.0)}
+    obs["a"].memory = {0: [(23, 0)]}
+    s = JobState(phase=Phase.CLEANING, generation=0, assignment={"a": 0}, max_step={0: 23},
+                 pools={"a": Pool.RUNNING}, join_order=["a"], stop_requested=True)  # fmt: skip
+    s, ev = decide(s, obs, 1.0, cfg, [(20, 0)])
+    assert s.persist is not None and s.persist["step"] == 23
+    timeout = cfg.timeouts.node_timeout_s
+    s, ev = decide(s, obs, timeout - 0.5, cfg, [(20, 0)])
+    assert s.phase == Phase.CLEANING and not [k for k, _ in ev if k == "planned_stop"]
+    s, ev = decide(s, obs, timeout + 0.5, cfg, [(20, 0)])
+    failed = next(d for k, d in ev if k == "stop_persist_failed")
+    stop = next(d for k, d in ev if k == "planned_stop")
+    assert failed["nodes_gone"] and (stop["saved_step"], stop["steps_lost"]) == (20, 3)
+    assert s.phase == Phase.STOPPED
+    assert timeout + 0.5 < cfg.timeouts.stop_persist_timeout_s
+
+
 def test_a_point_no_rank_could_restore_falls_back_to_an_older_one_not_a_user_error() -> None:
     sim = Sim(cfg(max_restarts=1), 2)  # fallbacks are not charged to the restart budget
     sim.ckpt = [(4, 0), (8, 0), (12, 0)]

@@ -361,11 +361,12 @@ def persist_planned_stop(
         saved = newest_durable
     elif tuple((s.persist["step"], s.persist["generation"])) in {tuple(d) for d in durable}:
         saved = int(s.persist["step"])
-    elif now < float(s.persist["deadline"]):
+    elif now < float(s.persist["deadline"]) and _any_reporting(s, obs, now, cfg):
         return False
-    else:
+    else:  # past the deadline, or no node of the assignment left to persist it
         events.append(("stop_persist_failed", {"step": s.persist["step"],
-                       "timeout_s": cfg.timeouts.stop_persist_timeout_s}))  # fmt: skip
+                       "timeout_s": cfg.timeouts.stop_persist_timeout_s,
+                       "nodes_gone": not _any_reporting(s, obs, now, cfg)}))  # fmt: skip
         saved = newest_durable
     events.append(
         (
@@ -382,6 +383,14 @@ def persist_planned_stop(
     )
     s.persist, s.persist_done, s.persist_settle_until = None, gen, None
     return True
+
+
+def _any_reporting(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> bool:
+    """Does some node of the assignment still report (within the node timeout)? When none
+    does (the whole job's hosts stopped: a killed launcher's agent), nothing can persist the
+    point any more, and a planned stop does not wait out ``stop_persist_timeout_s``."""
+    limit = cfg.timeouts.node_timeout_s
+    return any(n in obs and now - obs[n].last_seen <= limit for n in s.assignment)
 
 
 def _held_by_every_rank(
