@@ -80,3 +80,33 @@ def test_one_command_a_host_decides_at_a_time_and_a_dead_holder_frees_the_lock(
         child.wait(timeout=30)
     hosts._decision_lock("10.9.9.9", 29411).close()
     assert {p.name for p in tmp.iterdir()} - before == set()
+
+
+def test_bad_host_lines_are_refused_with_the_fix_before_anything_starts() -> None:
+    """What trying to break ``--rdzv-endpoint`` found: a second ``--node-rank 0`` at a bound
+    endpoint (it joined the running job's agents to its own failing controller), an endpoint
+    that is not this host's with ``--node-rank 0``, a negative rank, an unresolvable host, a
+    ``--local-addr`` of another host, a secret that is not text."""
+    from trainguard.cli import hosts
+
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        bound.listen()
+        port = bound.getsockname()[1]
+        with pytest.raises(ValueError, match="in use already.*--node-rank R > 0"):
+            hosts.is_controller("127.0.0.1", port, 0)
+        assert hosts.is_controller("127.0.0.1", port, None) is False  # joins it
+        assert hosts.is_controller("127.0.0.1", port, 1) is False
+    with pytest.raises(ValueError, match="not an address of this host"):
+        hosts.is_controller("192.0.2.1", 29400, 0)  # TEST-NET-1: never this host's
+    with pytest.raises(ValueError, match="--node-rank -1"):
+        hosts.is_controller("127.0.0.1", 29400, -1)
+    with pytest.raises(ValueError, match="cannot resolve"):
+        hosts.local_addr("nosuch.invalid", 29400)
+    with pytest.raises(ValueError, match="--local-addr 192.0.2.1: not an address of this host"):
+        hosts.check_local_addr("192.0.2.1")
+    hosts.check_local_addr("127.0.0.2")  # loopback's /8 is this host's
+    with pytest.raises(ValueError, match="TRAINGUARD_SECRET"):
+        hosts.derive_token("\udcff\udcfe0123456789abcdef", "127.0.0.1:29400")
+    # every spelling of the endpoint's host gives the same token once resolved
+    assert hosts.resolve("localhost") == hosts.resolve("127.0.0.1") == "127.0.0.1"

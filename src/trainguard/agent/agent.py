@@ -808,7 +808,8 @@ class Agent:
         elif isinstance(e, HTTPStatusError) and e.code == 401 and _token_from_secret():
             log.error(
                 "controller %s rejected our token: $%s on this host differs from the one on "
-                "the controller's host; export the same secret on every host",
+                "the controller's host (or that is another job's controller); export the "
+                "same secret on every host",
                 self.cfg.controller, rt_api.ENV_SECRET,
             )  # fmt: skip
         elif isinstance(e, HTTPStatusError) and e.code == 401:

@@ -21,7 +21,7 @@ host's console shows its own ranks' output, each line prefixed ``[rankN]:`` (tor
 every host uses ``runs/rdzv-HOST-PORT``.
 
 Exit status: the controller's host returns the job's (``trainguard controller``); another host
-its agent's (0 once the job ended). SIGTERM/SIGINT are passed to the children.
+its agent's (0 once the job ended; 128+signal when this command was stopped by SIGTERM/SIGINT). SIGTERM/SIGINT are passed to the children.
 """
 
 from __future__ import annotations
@@ -54,10 +54,27 @@ _RUN_ONLY = {
 
 
 def derive_token(secret: str, endpoint: str) -> str:
-    """The job token (32 hex digits) every host derives from the shared secret."""
-    return hmac.new(
-        secret.encode(), f"trainguard job {endpoint}".encode(), hashlib.sha256
-    ).hexdigest()[:32]
+    """The job token (32 hex digits) every host derives from the shared secret and the
+    endpoint (``ADDRESS:PORT``: ``resolve`` it first, so that every spelling of the host
+    gives the same token). Raises ValueError for a secret that is not text."""
+    try:
+        key = secret.encode()
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"${ENV_SECRET} is not valid text in this locale; use letters and digits "
+            "(e.g. openssl rand -hex 16)"
+        ) from None
+    return hmac.new(key, f"trainguard job {endpoint}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def resolve(host: str) -> str:
+    """The IPv4 address ``host`` names. Raises ValueError naming the fix."""
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(
+            f"--rdzv-endpoint {host}: cannot resolve it ({e}); give its address"
+        ) from None
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -72,20 +89,31 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 def is_controller(host: str, port: int, node_rank: int | None) -> bool:
     """Does this host run the controller? ``--node-rank`` says so; without it, whoever binds
-    the endpoint first (another host's address, or one already bound here: an agent)."""
-    if node_rank is not None:
-        return node_rank == 0
-    try:
-        addr = socket.gethostbyname(host)
-    except OSError as e:
-        raise ValueError(
-            f"--rdzv-endpoint {host}: cannot resolve it ({e}); give its address"
-        ) from None
+    the endpoint first (another host's address, or one already bound here: an agent).
+    Raises ValueError for ``--node-rank 0`` where the endpoint is bound already (a second
+    controller would take the running job's agents, then fail) or is not an address of this
+    host, and for a negative rank."""
+    if node_rank is not None and node_rank < 0:
+        raise ValueError(f"--node-rank {node_rank}: 0 for the controller's host, else > 0")
+    if node_rank is not None and node_rank > 0:
+        return False
+    addr = resolve(host)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError as e:
+            if node_rank == 0 and e.errno == errno.EADDRINUSE:
+                raise ValueError(
+                    f"--node-rank 0: {host}:{port} is in use already (a controller of this "
+                    "job or another runs there); give this host --node-rank R > 0 to join, or "
+                    "another --rdzv-endpoint port"
+                ) from None
+            if node_rank == 0 and e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(
+                    f"--node-rank 0: {host} ({addr}) is not an address of this host; run the "
+                    "controller's line on that host, or give this one --node-rank R > 0"
+                ) from None
             if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                 return False
             raise
@@ -95,8 +123,20 @@ def is_controller(host: str, port: int, node_rank: int | None) -> bool:
 def local_addr(host: str, port: int) -> str:
     """The address this host reaches ``host`` from (the route's source; nothing is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), port))
+        s.connect((resolve(host), port))
         return str(s.getsockname()[0])
+
+
+def check_local_addr(addr: str) -> None:
+    """Raise ValueError unless ``addr`` is an address of this host (``--local-addr``)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((addr, 0))
+    except (OSError, UnicodeError) as e:
+        raise ValueError(
+            f"--local-addr {addr}: not an address of this host ({e}); give one of its own "
+            "(ip -4 addr), or leave it out to use the route's source address"
+        ) from None
 
 
 def controller_argv(argv: list[str], n_script: int) -> list[str]:
@@ -132,6 +172,8 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     controller = is_controller(host, port, args.node_rank)
     if not controller:
         decide.close()
+    if args.local_addr:
+        check_local_addr(args.local_addr)
     addr = args.local_addr or local_addr(host, port)
     if args.run_dir is None:
         args.run_dir = Path("runs") / f"rdzv-{host}-{port}"
@@ -139,12 +181,17 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     node_id = f"{socket.gethostname().split('.')[0]}-{addr.replace('.', '-').replace(':', '-')}"
     me = [sys.executable, "-m", "trainguard"]
-    token = derive_token(secret, f"{host}:{port}")
+    token = derive_token(secret, f"{resolve(host)}:{port}")
+    # The children get the token, never the secret: no worker can derive another job's.
+    env = {k: v for k, v in os.environ.items() if k != ENV_SECRET}
     agent = [*me, "agent", "--controller", f"{host}:{port}", "--advertise-addr", addr,
              "--run-dir", str(run_dir), "--node-id", node_id, "--tee"]  # fmt: skip
     children: list[subprocess.Popen[bytes]] = []
 
+    got: list[int] = []
+
     def forward(sig: int, _: object) -> None:
+        got.append(sig)
         for c in children:
             with contextlib.suppress(ProcessLookupError):
                 c.send_signal(sig)
@@ -158,15 +205,18 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
                    *controller_argv(argv, 1 + len(args.script_args))]  # fmt: skip
             print(f"trainguard: this host runs the controller at {host}:{port} and node "
                   f"{node_id}", file=sys.stderr, flush=True)  # fmt: skip
-            children.append(_with_token(ctl, token))
+            children.append(_with_token(ctl, token, env))
             _wait_listening(host, port, children[0])
             decide.close()
+            if children[0].poll() is not None:  # it failed (its one-line error is above):
+                return children[0].returncode  # no agent for whoever else answers there
         else:
             print(f"trainguard: this host joins {host}:{port} as node {node_id}",
                   file=sys.stderr, flush=True)  # fmt: skip
-        children.append(_with_token(agent, token, {**os.environ, ENV_TOKEN_SOURCE: "secret"}))
-        if not controller:
-            return children[0].wait()
+        children.append(_with_token(agent, token, {**env, ENV_TOKEN_SOURCE: "secret"}))
+        if not controller:  # stopped by a signal: say so (the agent's own exit is then 0)
+            code = children[0].wait()
+            return 128 + got[0] if got and code == 0 else code
         code = children[0].wait()
         try:  # a job that ended: its agent sees it and exits; a controller that failed
             children[1].wait(timeout=AGENT_GRACE_S if code == 0 else 0.1)
