@@ -507,6 +507,27 @@ def test_a_faulty_node_is_rechecked_with_backoff_and_retired_after_repeated_loss
     assert sim.s.pools["node0"] == Pool.RETIRED
 
 
+def test_an_agents_last_report_loses_its_node_at_once_and_never_brings_it_back() -> None:
+    """An agent stopped by SIGTERM stops its workers and sends a last report saying it is
+    leaving: its node is lost at once (not after the node timeout), named as exited, and
+    that report never returns it from quarantine as "reachable again" (trying to break
+    ``--rdzv-endpoint`` found it taken into the next generation, then lost again)."""
+    c = cfg(nodes=1, standby=1, recheck_s=1.0)
+    sim = Sim(c, 2)
+    sim.tick()
+    sim.run_generation()
+    sim.obs["node0"].leaving = True
+    sim.tick()
+    fault = next(d for k, d in sim.events if k == "fault")
+    assert fault["node_id"] == "node0" and "agent exited" in fault["message"], fault
+    for _ in range(20):
+        sim.tick(dt=1.0)
+        if sim.s.phase == Phase.STOPPING:
+            sim.ack_stop()
+    assert sim.s.pools["node0"] == Pool.FAULTY and sim.s.assignment == {"node1": 0}
+    assert not [d for k, d in sim.events if k == "pool_changed" and d["to"] == "standby"]
+
+
 def _lose_again(s: JobState, node: str) -> JobState:
     """Mark ``node`` faulty once more (its second loss): retired, since retire_after = 2."""
     from trainguard.controller.pools import mark_faulty

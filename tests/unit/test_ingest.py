@@ -63,3 +63,14 @@ def test_milestones_come_once_every_rank_reached_them_at_the_last_rank_s_time() 
     assert [(g, n) for g, n, _ in got] == [(2, "t_first_step_start"), (2, "t_first_step")]
     assert abs(got[0][2] - 11.7) < 1e-9 and got[1][2] == 12.3  # start: t_end - dur
     assert m.steps(2, 1, recs([{"step": 33, "t_end": 13.0, "dur": 0.4}]), world=2) == (None, [])
+
+
+def test_an_agents_last_report_says_it_is_leaving_on_the_wire_and_in_the_observation() -> None:
+    r = protocol.AgentReport(node_id="n", addr="127.0.0.1", incarnation="i", leaving=True)
+    body = protocol.report_to_json(r)
+    assert body["leaving"] is True
+    back = protocol.report_from_json(body)
+    assert back.leaving and observe("n", back, None, 1.0).leaving
+    plain = protocol.report_to_json(protocol.AgentReport(node_id="n", addr="a", incarnation="i"))
+    assert "leaving" not in plain and not protocol.report_from_json(plain).leaving
+    assert not protocol.report_from_json({**plain, "leaving": "yes"}).leaving  # only true

@@ -4,6 +4,7 @@ scans they replace."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from trainguard.controller.api import NO_STEP, NodeObs, Phase
@@ -114,7 +115,10 @@ def test_the_heap_finds_exactly_the_nodes_the_scan_finds() -> None:
             if rng.random() < 0.5:
                 obs[n].last_seen = max(obs[n].last_seen, now - rng.uniform(0, 1.5 * t))
             else:
-                o = observe(n, report(int(n[1:]), None), obs[n], now - rng.uniform(0, t))
+                r = report(int(n[1:]), None)
+                if rng.random() < 0.15:  # the agent's last report: gone at once
+                    r = dataclasses.replace(r, leaving=True)
+                o = observe(n, r, obs[n], now - rng.uniform(0, t))
                 obs[n] = o
                 live.track(o)
         tick = live.at(obs, now)

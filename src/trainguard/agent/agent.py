@@ -150,6 +150,7 @@ class Agent:
         self._refused_since: float | None = None  # the controller refuses our node id (409)
         self._unauthorized_since: float | None = None  # ... or our token (401)
         self._exit_code = 0  # a reason of our own to exit non-zero (a token that cannot work)
+        self._leaving = False  # set for the last report, as the agent exits
         self.cfg = cfg
         self._link = link or (  # kept-alive, per thread; through the rack's relay if any
             RoutedLink(cfg.controller, cfg.relay, cfg.token)
@@ -299,6 +300,7 @@ class Agent:
             self.ckptd.stop()
             self._ckptd_off.set()
             self._ckptd_now.set()
+            self._leaving = True  # this last report: the node is gone, not back
             self.report_once(timeout_s=2.0)
         return code or self._exit_code
 
@@ -772,6 +774,7 @@ class Agent:
             health=health,
             checks=checks,
             time=clock.wall(),  # the controller measures clock skew from it
+            leaving=self._leaving,
             steps=[
                 protocol.StepBatch(generation=g, rank=r, items=its) for (g, r), its in steps.items()
             ],

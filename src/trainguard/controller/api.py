@@ -111,6 +111,7 @@ class NodeObs:
     fenced_generation: int = -1  # the generation whose workers the agent stopped (fencing)
     health_ok: bool = True  # the agent's host checks (memory, disk, /dev/shm) pass
     health_problems: tuple[str, ...] = ()  # the host checks that fail
+    leaving: bool = False  # its last report said the agent is exiting: gone, not back
     clock_skew_s: float | None = None  # the agent's clock minus ours, at its last report
     reported_at: float | None = None  # the agent's clock when it made that report (its time)
     stopped_generation: int = -1  # newest generation fully stopped and cleaned here

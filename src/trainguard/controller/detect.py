@@ -233,6 +233,8 @@ def _node_fault(
         n = lost[0]
         if rebooted(s, n, obs):
             seen, why = now, f"node {n} restarted (new agent incarnation)"
+        elif n in obs and obs[n].leaving:
+            seen, why = obs[n].last_seen, f"node {n}'s agent exited (its last report said so)"
         else:
             seen = obs[n].last_seen if n in obs else s.phase_since
             why = f"no heartbeat from {n} for {now - seen:.1f}s"

@@ -55,6 +55,7 @@ def observe(node_id: str, r: AgentReport, old: NodeObs | None, now: float) -> No
         health_ok=r.health.ok,
         health_problems=r.health.problems,
         store=r.store,
+        leaving=r.leaving,
         clock_skew_s=round(r.time - now, 3) if r.time is not None else None,
         reported_at=r.time,
     )

@@ -22,8 +22,10 @@ from trainguard.controller.summary import LiveTick
 
 
 def is_alive(o: NodeObs, now: float, cfg: JobConfig) -> bool:
-    """A report of the node arrived within ``node_timeout_s`` (config) before ``now``."""
-    return now - o.last_seen <= cfg.timeouts.node_timeout_s
+    """A report of the node arrived within ``node_timeout_s`` (config) before ``now``, and it
+    was not its agent's last (``leaving``: the agent exits; its node is gone at once, never
+    taken back as reachable again)."""
+    return not o.leaving and now - o.last_seen <= cfg.timeouts.node_timeout_s
 
 
 def update_pools(
@@ -54,8 +56,9 @@ def update_pools(
             due = now >= s.recheck_at.get(node_id, now)
             if fresh or due:
                 _recheck(s, o, now, cfg, events, fresh)
-        elif pool == Pool.STANDBY and not alive:
-            mark_faulty(s, node_id, now, cfg, events, f"no heartbeat for {now - o.last_seen:.1f}s")
+        elif pool == Pool.STANDBY and not alive and not (o.leaving and s.phase.terminal):
+            why = "its agent exited" if o.leaving else f"no heartbeat for {now - o.last_seen:.1f}s"
+            mark_faulty(s, node_id, now, cfg, events, why)
         if alive:
             s.incarnations[node_id] = o.incarnation
 

@@ -173,7 +173,8 @@ def _view(s: JobState, obs: dict[str, NodeObs]) -> GenView:
 
 class Liveness:
     """Which nodes are not alive (``pools.is_alive``: no report for over ``timeout_s``,
-    ``node_timeout_s`` of the job's config), from a min-heap of (deadline, node) with lazy
+    ``node_timeout_s`` of the job's config, or its agent's last report said it is leaving),
+    from a min-heap of (deadline, node) with lazy
     deletion instead of a scan. ``track`` is called with each new observation (the intake);
     ``dead`` answers for the observations a tick decides on. ``incarnations``: each node's
     newest agent incarnation tracked. Thread-safe: reports are taken on the event loop while
@@ -209,7 +210,7 @@ class Liveness:
         self._known.add(n)
         if n in self._dead:
             return  # back from the dead: ``dead`` sees it at the next tick
-        due = o.last_seen + self.timeout_s
+        due = o.last_seen + (0.0 if o.leaving else self.timeout_s)  # a leaving agent: now
         queued = self._queued.get(n)
         if queued is None or due < queued:
             self._queued[n] = due
@@ -243,7 +244,7 @@ class Liveness:
                 o = obs.get(n)
                 if o is None:
                     again.append((due, n))  # tracked after this snapshot was taken
-                elif now - o.last_seen <= t:  # its last_seen moved on: its new deadline
+                elif not o.leaving and now - o.last_seen <= t:  # last_seen moved on: new due
                     queued[n] = o.last_seen + t
                     again.append((queued[n], n))
                 else:
@@ -251,7 +252,7 @@ class Liveness:
                     dead.add(n)
             for n in list(dead):
                 o = obs.get(n)
-                if o is not None and now - o.last_seen <= t:  # reported again
+                if o is not None and not o.leaving and now - o.last_seen <= t:  # reported again
                     dead.discard(n)
                     queued[n] = o.last_seen + t
                     again.append((queued[n], n))

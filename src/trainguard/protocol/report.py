@@ -369,7 +369,9 @@ class AgentReport:
     desired state it holds (the reply omits one it has). ``hang``: its hang watch fired;
     ``stopped_generation`` newest generation fully stopped and cleaned here (-1: none), at
     agent wall clocks ``stopped_at`` / ``cleaned_at``; ``fenced_generation`` the generation
-    whose workers it stopped on losing the controller (-1: none). ``store``: (generation,
+    whose workers it stopped on losing the controller (-1: none). ``leaving``: the agent's
+    last report, sent as it exits (its workers stopped): the node is gone from now on, not
+    back. ``store``: (generation,
     port) of the TCPStore it hosts. ``time`` its wall clock when sent (the controller measures
     clock skew from it). ``events`` and ``steps`` since its last delivered report."""
 
@@ -392,6 +394,7 @@ class AgentReport:
     health: HealthReport = dataclasses.field(default_factory=HealthReport)
     checks: list[CheckResult] = dataclasses.field(default_factory=list)
     time: float | None = None
+    leaving: bool = False
 
 
 def report_to_json(r: AgentReport) -> dict[str, Any]:
@@ -416,6 +419,7 @@ def report_to_json(r: AgentReport) -> dict[str, Any]:
         "checks": [c.to_json() for c in r.checks],
         "time": r.time,
         "steps": [b.to_json() for b in r.steps],
+        **({"leaving": True} if r.leaving else {}),
     }
 
 
@@ -462,6 +466,7 @@ def report_from_json(body: Any) -> AgentReport:
         ckptd=ckptd,
         health=HealthReport.from_json(body.get("health")),
         checks=checks,
+        leaving=body.get("leaving") is True,
         **times,
     )
 
