@@ -101,7 +101,11 @@ class TimeoutsConfig:
     hang_timeout_min_s: float = setting(10.0, "floor of the calibrated hang timeout")
     first_step_timeout_s: float = setting(600.0, "allowance for the first step of a generation")
     heartbeat_s: float = setting(0.5, "agent → controller and runtime → agent period")
-    node_timeout_s: float = setting(10.0, "missing agent heartbeats for this long = node lost")
+    node_timeout_s: float = setting(
+        10.0,
+        "missing agent heartbeats for this long = node lost (an agent that exits, e.g. on "
+        "SIGTERM, says so in its last report: its node is lost at once)",
+    )
     join_timeout_s: float = setting(
         30.0, "at start, wait this long for nodes + standby before starting with fewer"
     )
