@@ -387,10 +387,9 @@ def persist_planned_stop(
 
 def _any_reporting(s: JobState, obs: dict[str, NodeObs], now: float, cfg: JobConfig) -> bool:
     """Does some node of the assignment still report (within the node timeout)? When none
-    does (the whole job's hosts stopped: a killed launcher's agent), nothing can persist the
+    does (``pools.is_alive``: the whole job's hosts stopped or left), nothing can persist the
     point any more, and a planned stop does not wait out ``stop_persist_timeout_s``."""
-    limit = cfg.timeouts.node_timeout_s
-    return any(n in obs and now - obs[n].last_seen <= limit for n in s.assignment)
+    return any(n in obs and is_alive(obs[n], now, cfg) for n in s.assignment)
 
 
 def _held_by_every_rank(

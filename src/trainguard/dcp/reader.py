@@ -238,7 +238,6 @@ class Reader(UsesCheckpointer, StorageReader):
         (a standby's, ``$TRAINGUARD_PREFETCH_DIR``) when it holds that point whole, else the
         durable root. Sets ``tier``."""
         from trainguard.checkpoint import prefetch
-        from trainguard.checkpoint.reader import VerifyingReader
 
         pre = None if self._no_prefetch else prefetch.present(
             os.environ.get(rt_api.ENV_PREFETCH_DIR), step, gen
@@ -247,9 +246,7 @@ class Reader(UsesCheckpointer, StorageReader):
             problems, sums = storage.verify_for_load(pre, step)
             if not problems:
                 self.tier = "prefetched"
-                self._fs = VerifyingReader(storage.step_dir(pre, step), sums, direct=True)
-                self._fs_md = self._fs.read_metadata()
-                return self._fs_md
+                return self._open(pre, step, sums)
             self._prefetch_failed(step, problems)
         self.tier = "durable"
         root = self.ck.root
@@ -263,6 +260,12 @@ class Reader(UsesCheckpointer, StorageReader):
                 )
             self._failed(step, "durable", problems)
             raise CheckpointCorruptError(f"step {step}: {'; '.join(problems[:4])}")
+        return self._open(root, step, sums)
+
+    def _open(self, root: Path, step: int, sums: Any) -> Metadata:
+        """The step under ``root`` as this load's durable reader; its metadata."""
+        from trainguard.checkpoint.reader import VerifyingReader
+
         self._fs = VerifyingReader(storage.step_dir(root, step), sums, direct=True)
         self._fs_md = self._fs.read_metadata()
         return self._fs_md
