@@ -225,6 +225,7 @@ def test_a_fault_before_any_checkpoint_restarts_a_model_made_outside_main(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 20 respawns of a rank (a torch import each); CI's loaded run: > 300 s
 def test_twenty_recoveries_leave_threads_fds_and_shm_where_they_were(tmp_path: Path) -> None:
     """A user's script (DataLoader with a spawn worker, lazily created Adam state) survives 20
     kills of its peer in one job; each entry of its training function records its resources."""

@@ -323,15 +323,15 @@ def test_a_check_stalled_by_load_is_inconclusive_retried_and_the_job_runs(tmp_pa
             job.communicate(timeout=30)
     assert job.returncode == 0, err[-3000:]
     evs = read_events(run_dir)
-    unsure = [e for e in evs if e["kind"] == "preflight_inconclusive"]
-    assert [(e["node"], e["attempt"]) for e in unsure] == [("node1", 1)], unsure
+    unsure = [(e["node"], e["attempt"]) for e in evs if e["kind"] == "preflight_inconclusive"]
+    # node1's first attempt, stopped past the deadline; on CI's loaded machine node0's first
+    # check once ran past the 25 s too (inconclusive as well, and retried: the same rule).
+    assert ("node1", 1) in unsure and set(unsure) <= {("node0", 1), ("node1", 1)}, unsure
     assert not [e for e in evs if e["kind"] == "pool_changed" and e["to"] == "faulty"]
     started = [e for e in evs if e["kind"] == "generation_started"]
     assert started[0]["assignment"] == {"node0": 0, "node1": 1}, started
     rep = report(run_dir)
-    assert (
-        list(rep["preflight"][0]["inconclusive"]) == ["node1"] and not rep["preflight"][0]["failed"]
-    )
+    assert "node1" in rep["preflight"][0]["inconclusive"] and not rep["preflight"][0]["failed"]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

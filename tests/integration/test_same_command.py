@@ -74,8 +74,10 @@ def test_the_same_line_on_three_hosts_trains_survives_a_lost_host_and_tees_each_
             with open(outs[i], "wb") as out, open(tmp_path / f"console-h{i}.err", "wb") as err:
                 procs.append(subprocess.Popen(hosts.cmd(i, line), stdout=out, stderr=err, env=env))
         wait_for(lambda: reached_step(run, 12), 300, "step 12")
-        (gen0,) = [e for e in events(run) if e["kind"] == "generation_started"][:1]
-        training = sorted(_node_host(hosts, n) for n in gen0["assignment"])
+        # The generation running at the kill: under load a ckptd slow to start once lost a
+        # node in generation 0 (FAST_CONFIG's 3 s node timeout) and the kill fell in gen 1.
+        at_kill = [e for e in events(run) if e["kind"] == "generation_started"][-1]
+        training = sorted(_node_host(hosts, n) for n in at_kill["assignment"])
         victim = next(i for i in training if i != 0)  # host 0 holds the controller
         assert hosts.kill_all(victim)
         for i in range(3):
@@ -95,12 +97,15 @@ def test_the_same_line_on_three_hosts_trains_survives_a_lost_host_and_tees_each_
     assert losses(run) == reference
     evs = events(run)
     # the first fault as finally attributed (a survivor's broken collective comes first)
-    fault = [e for e in evs if e["kind"] in ("fault", "fault_refined") and e["generation"] == 0]
+    killed_gen = at_kill["generation"]
+    fault = [
+        e for e in evs if e["kind"] in ("fault", "fault_refined") and e["generation"] == killed_gen
+    ]
     assert fault[-1]["cause"] == "node_lost" and _node_host(hosts, fault[-1]["node_id"]) == victim
     # each host ran what its console shows: its ranks' lines, no other rank's (one process a
     # node: a node's rank is its node rank)
     gens = [e["assignment"] for e in evs if e["kind"] == "generation_started"]
-    assert len(gens) == 2 and _node_host(hosts, next(iter(gens[1]))) in range(3)
+    assert len(gens) >= killed_gen + 2 and _node_host(hosts, next(iter(gens[-1]))) in range(3)
     for i in range(3):
         if i == victim:
             continue

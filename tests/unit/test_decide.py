@@ -663,6 +663,37 @@ def test_a_point_no_rank_could_restore_falls_back_to_an_older_one_not_a_user_err
     assert kinds == [[8, 0], [4, 0], None] and sim.s.restarts == 0
 
 
+def test_a_lost_memory_point_with_nothing_ever_durable_restarts_from_the_scripts_start() -> None:
+    """Seen in CI's chaos run: step 1, held only in memory and a replica (the first durable
+    step is 10), was corrupted in every copy; the job failed with "no restorable checkpoint
+    left". Nothing durable was ever committed, so the script's own start is the oldest verified
+    point: the job goes on from there (the same losses), not to FAILED."""
+    sim = Sim(cfg(max_restarts=1), 2)
+    sim.tick()
+    sim.run_generation(step=1)
+    for n, rank in sim.s.assignment.items():
+        sim.obs[n].memory = {rank: [(1, 0)]}
+    w = sim.worker("node1")
+    w.state, w.exit_code, w.exited_at = "failed", -9, sim.now
+    sim.tick()
+    sim.ack_stop()
+    sim.tick()
+    assert sim.s.phase == Phase.RENDEZVOUS and sim.s.restore_step == 1, sim.s.reason
+    sim.run_generation(step=None)  # type: ignore[arg-type]
+    sim.s.unusable.append([1, 0])  # a rank's report: step 1 failed to load from every tier
+    w = sim.worker("node1")
+    w.step, w.state, w.exit_code, w.exited_at, w.error = (
+        None, "failed", 1, sim.now, "CheckpointCorruptError: step 1: checksum",
+    )  # fmt: skip
+    sim.tick()
+    sim.ack_stop()
+    sim.tick()
+    assert sim.s.phase == Phase.RENDEZVOUS and sim.s.restore_step is None, sim.s.reason
+    (fallback,) = [d for k, d in sim.events if k == "restore_fallback"]
+    assert fallback["next"] is None and fallback["from_start"] is True
+    assert sim.s.restarts == 1  # the fallback itself is not charged to the budget
+
+
 def test_decide_never_changes_the_state_it_was_given() -> None:
     """decide copies the state one level deep (copy_state, not deepcopy): check that every
     step of a crash, restart and node loss leaves the input state as it was."""

@@ -66,6 +66,8 @@ FAULT_GAP_S = (4.0, 10.0)  # seconds between faults
 # before the minutes do, and the faults with it: faults then come every 2-4 s (recoveries and
 # the steps they redo slow it) until it is back on schedule.
 AHEAD_GAP_S = (2.0, 4.0)
+# The longest a fault waits for the job to make a step after the last one (_await_progress).
+PROGRESS_WAIT_S = 30.0
 LAUNCH_TIMEOUT_S = 30.0  # a killed launcher is reaped
 REFERENCE_NICE = 10  # the fault-free run's niceness: it yields the CPU to the job under faults
 
@@ -247,15 +249,19 @@ class ChaosRun:
 
     def _drive(self, menu: FaultMenu) -> None:
         """Faults every 4–10 s (2–4 s while the job is ahead of schedule) from START_S until
-        ``minutes`` pass or the job ends."""
+        ``minutes`` pass or the job ends, each once the job made a step since the last
+        (``_await_progress``, at most PROGRESS_WAIT_S later)."""
         t0 = time.monotonic()
         end = t0 + 60.0 * self.spec.minutes
         rng = menu.rng
         next_at = t0 + min(START_S, 60.0 * self.spec.minutes / 4)
+        step_at_fault = 0
         while time.monotonic() < end and self.job.launcher_pid() is not None:
             time.sleep(max(0.0, min(next_at, end) - time.monotonic()))
+            self._await_progress(step_at_fault, min(end, time.monotonic() + PROGRESS_WAIT_S))
             if time.monotonic() >= end or self.job.launcher_pid() is None:
                 break
+            step_at_fault = self._step()
             self.reference.seconds()  # notes when the reference ended
             got = menu.inject()
             if got is not None:
@@ -266,10 +272,24 @@ class ChaosRun:
             next_at = time.monotonic() + rng.uniform(*(AHEAD_GAP_S if ahead else FAULT_GAP_S))
         self.faults_s = time.monotonic() - t0
 
+    def _step(self) -> int:
+        """The job's highest step reached (0 before any)."""
+        return max((s for s, _, _ in metrics(self.job.run_dir)), default=0)
+
     def _done_fraction(self) -> float:
         """The job's highest step reached over its steps (0.0 before any)."""
-        steps = [s for s, _, _ in metrics(self.job.run_dir)]
-        return max(steps, default=0) / self.spec.steps
+        return self._step() / self.spec.steps
+
+    def _await_progress(self, step: int, deadline: float) -> None:
+        """Until the job reaches a step beyond ``step`` (the one it had at the last fault), the
+        launcher exits, or ``deadline`` (time.monotonic()). Faults faster than a loaded machine
+        recovers would keep a job at its first steps for the whole run (CI: five generations
+        at step 1 in two minutes, the same copies corrupted again and again): each fault
+        lands on a job that moved since the last one."""
+        while time.monotonic() < deadline and self.job.launcher_pid() is not None:
+            if self._step() > step:
+                return
+            time.sleep(0.5)
 
     # ------------------------------------------------------------------ the summary
     def summary(

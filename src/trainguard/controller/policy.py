@@ -63,9 +63,13 @@ def _fall_back(
     events: list[Event],
     durable: list[tuple[int, int]],
 ) -> None:
-    """The restore point is unusable: the next older one, or the end when none is left."""
+    """The restore point is unusable: the next older one; the script's own start when no
+    step was ever made durable (only memory or replica copies existed, and the newest of them
+    failed: at most the steps since the start are redone, the losses are the same); the end
+    when a durable step was committed and no copy of any is left (a loss the user must see)."""
     assert s.recovery is not None
     point, _ = restore_point(s, obs, cfg, durable)
+    from_start = point is None and not durable
     events.append(
         (
             "restore_fallback",
@@ -73,10 +77,11 @@ def _fall_back(
                 "generation": s.recovery.fault.generation,
                 "unusable": [s.restore_step, s.restore_gen],
                 "next": list(point) if point else None,
+                "from_start": from_start,
             },
         )
     )
-    if point is None:
+    if point is None and not from_start:
         s.reason = (
             f"no restorable checkpoint left: step {s.restore_step} failed to load from "
             "every tier and no older verified copy exists (see ckpt_restore_failed events)"
