@@ -110,3 +110,20 @@ def test_bad_host_lines_are_refused_with_the_fix_before_anything_starts() -> Non
         hosts.derive_token("\udcff\udcfe0123456789abcdef", "127.0.0.1:29400")
     # every spelling of the endpoint's host gives the same token once resolved
     assert hosts.resolve("localhost") == hosts.resolve("127.0.0.1") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("flag", "full"), [("--node-r", "--node-rank"), ("--rdzv-end", "--rdzv-endpoint")]
+)
+def test_an_abbreviated_flag_is_refused_with_its_full_name(
+    flag: str, full: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse took ``--node-r 1`` for ``--node-rank 1``; the split that forwards the other
+    flags to the controller works by full names, so the controller refused it, after the
+    host had started. Now refused at once, in one line naming the flag."""
+    from trainguard.cli.main import _parser
+
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["run", "--nnodes", "2", flag, "1", "train.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"did you mean {full}?" in err and len(err.splitlines()) == 1

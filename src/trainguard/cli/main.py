@@ -90,7 +90,13 @@ def _refuse(p: argparse.ArgumentParser, multi_host: bool) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: the problem and where the flags are listed, not the
-    whole usage text (a wrong flag among a job's many scrolls the reason off the screen)."""
+    whole usage text (a wrong flag among a job's many scrolls the reason off the screen).
+    No abbreviations (``--node-r`` for ``--node-rank``): a prefix that this parser accepted
+    would reach the parts it forwards flags to by their full names, and be refused there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         hint = self._did_you_mean(message)
@@ -106,8 +112,7 @@ class _Parser(argparse.ArgumentParser):
             known, words = re.findall(r"'([^']*)'", m.group(2)), [m.group(1)]
         else:
             return ""
-        hints = [(w, close[0]) for w in words
-                 if (close := difflib.get_close_matches(w, known, n=1, cutoff=0.6))]  # fmt: skip
+        hints = [(w, close[0]) for w in words if (close := _close(w, known))]  # fmt: skip
         if len(words) == 1 and hints:
             return f"; did you mean {hints[0][1]}?"
         return f"; did you mean {', '.join(f'{c} (for {w})' for w, c in hints)}?" if hints else ""
@@ -120,6 +125,13 @@ class _Parser(argparse.ArgumentParser):
                 for sub in action.choices.values():
                     out += list(sub._option_string_actions)
         return out
+
+
+def _close(word: str, known: list[str]) -> list[str]:
+    """The flags ``word`` may mean: those it abbreviates (the shortest first), else difflib's
+    close matches."""
+    prefixed = sorted((k for k in known if k.startswith(word) and len(word) > 2), key=len)
+    return prefixed or difflib.get_close_matches(word, known, n=1, cutoff=0.6)
 
 
 Flag = tuple[tuple[str, ...], dict[str, Any]]  # names, add_argument keywords
