@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -180,3 +181,46 @@ def test_a_host_with_another_secret_is_told_and_exits_and_a_killed_line_leaves_n
     assert [e for e in events(run) if e["kind"] == "planned_stop"], first_err.read_text()[-2000:]
     after = {p.name for p in tmp.iterdir() if p.name.startswith("trainguard")}
     assert after <= before, after - before
+
+
+def test_ctrl_c_to_the_lines_process_group_saves_the_newest_step(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C: SIGINT to the whole foreground process group of the line. Only the
+    line gets it (its controller and agent run in sessions of their own); it hands it to the
+    controller, whose planned stop saves the newest snapshot through the agent: no step lost,
+    though durable steps are 5 apart (seen before: the agent got it too, left, and the stop
+    ended with the newest durable step, 5 steps lost)."""
+    from tests.helpers.s3server import free_port
+
+    run = tmp_path / "run"
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(FAST_CONFIG)
+    line = trainguard_cmd(
+        "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}", "--node-rank", "0", "--local-addr", "127.0.0.1",
+        "--run-dir", run, "--config", cfg, "--inject", "slow:rank=0:factor=20", GPT, *TINY,
+        "--steps", "400", "--ckpt-every", "1", "--durable-every", "5",
+    )  # fmt: skip
+    err_path = tmp_path / "line.err"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            line, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            env={**os.environ, "TRAINGUARD_SECRET": SECRET},
+        )  # fmt: skip
+    children: list[int] = []
+    try:
+        wait_for(lambda: reached_step(run, 8), 180, "step 8")
+        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        proc.wait(timeout=180)
+    finally:
+        for p in [proc.pid, *children]:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(p).kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        job = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:8]
+        drop_segments(f"trainguard-{job}-*")
+    stops = [e for e in events(run) if e["kind"] == "planned_stop"]
+    assert stops, err_path.read_text()[-3000:]
+    assert stops[-1]["steps_lost"] == 0 and stops[-1]["saved_step"] >= 8, stops
+    assert not any(psutil.pid_exists(p) for p in children)

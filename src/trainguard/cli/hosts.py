@@ -191,8 +191,14 @@ def run_on_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     got: list[int] = []
 
     def forward(sig: int, _: object) -> None:
+        """A signal to this line (a terminal's Ctrl-C reaches only it: its children run in
+        sessions of their own) goes to the controller, whose planned stop saves the newest
+        snapshot through this host's agent and then ends the job (the agent ends with it);
+        on a joining host, to the agent. Sent to the agent too, the agent's node would leave
+        at once and the stop would end with the newest durable step instead (seen: 5 steps
+        lost to a Ctrl-C)."""
         got.append(sig)
-        for c in children:
+        for c in children[:1] if controller else children:
             with contextlib.suppress(ProcessLookupError):
                 c.send_signal(sig)
 
@@ -236,7 +242,8 @@ def _with_token(
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` (``python -m trainguard SUBCOMMAND …``) with ``--token-file /dev/fd/N``
     after its subcommand: the read end of a pipe holding the token (read once at its start;
-    no file, nothing left by a kill). The child gets SIGTERM when this process dies."""
+    no file, nothing left by a kill). The child gets SIGTERM when this process dies, and
+    runs in a session of its own (a terminal's signals reach it only through ``forward``)."""
     r, w = os.pipe()
     try:
         os.write(w, token.encode())
@@ -247,7 +254,9 @@ def _with_token(
         # SIGTERM when this command dies, even by SIGKILL: the controller stops the job (its
         # planned stop), the agent its workers; neither outlives the line that started it.
         stop_with_me = functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
-        return subprocess.Popen(cmd, pass_fds=(r,), env=env, preexec_fn=stop_with_me)
+        return subprocess.Popen(
+            cmd, pass_fds=(r,), env=env, preexec_fn=stop_with_me, start_new_session=True
+        )
     finally:
         os.close(r)
 
