@@ -296,10 +296,8 @@ def worker_pid(run_dir: Path, rank: int, generation: int = 0) -> int:
 
 
 def reached_step(run_dir: Path, step: int) -> bool:
-    path = run_dir / "metrics.jsonl"
-    return path.exists() and any(
-        json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x.strip()
-    )
+    """Has the run's metrics.jsonl a line of ``step`` or later? (read incrementally: polled)"""
+    return any(s >= step for s, _, _ in chaos_faults.metrics(run_dir))
 
 
 def report(run_dir: Path) -> dict[str, Any]:
