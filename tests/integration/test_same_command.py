@@ -56,6 +56,17 @@ def _node_host(hosts: Hosts, node: str) -> int:
     return i
 
 
+def _kill_line(line: subprocess.Popen[bytes], children: list[int], run: Path) -> None:
+    """SIGKILL a line and the children it had, reap it, remove its job's memory segments."""
+    for p in [line.pid, *children]:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(p).kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        line.wait(timeout=30)
+    job = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:8]
+    drop_segments(f"trainguard-{job}-*")
+
+
 def test_the_same_line_on_three_hosts_trains_survives_a_lost_host_and_tees_each_hosts_ranks(
     hosts: Hosts, tmp_path: Path, reference: dict[int, float]
 ) -> None:
@@ -171,13 +182,7 @@ def test_a_host_with_another_secret_is_told_and_exits_and_a_killed_line_leaves_n
                     left.append(" ".join(psutil.Process(p).cmdline())[:160])
             raise AssertionError(f"{e}: {left}\n{first_err.read_text()[-3000:]}") from None
     finally:
-        for p in [first.pid, *children]:
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(p).kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            first.wait(timeout=30)
-        job = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:8]
-        drop_segments(f"trainguard-{job}-*")
+        _kill_line(first, children, run)
     assert [e for e in events(run) if e["kind"] == "planned_stop"], first_err.read_text()[-2000:]
     after = {p.name for p in tmp.iterdir() if p.name.startswith("trainguard")}
     assert after <= before, after - before
@@ -213,13 +218,7 @@ def test_ctrl_c_to_the_lines_process_group_saves_the_newest_step(tmp_path: Path)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         proc.wait(timeout=180)
     finally:
-        for p in [proc.pid, *children]:
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(p).kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        job = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:8]
-        drop_segments(f"trainguard-{job}-*")
+        _kill_line(proc, children, run)
     stops = [e for e in events(run) if e["kind"] == "planned_stop"]
     assert stops, err_path.read_text()[-3000:]
     assert stops[-1]["steps_lost"] == 0 and stops[-1]["saved_step"] >= 8, stops
