@@ -2,7 +2,8 @@
 then the losses of a fault-free run for every step (the command: ``chaos/run.py``).
 
 Faults, one every 4–10 s (2–4 s while the job is ahead of schedule, so that it outlasts the
-minutes; none before the job made a step since the last, at most 30 s), each on a random target: SIGKILL and SIGSTOP of a worker, SIGKILL of
+minutes; none before the job made a step since the last, at most 30 s), each on a random
+target: SIGKILL and SIGSTOP of a worker, SIGKILL of
 an agent (a lost node), of a ckptd (killed, or frozen for up to 20 s), SIGSTOP of the
 controller (up to 6 s); a flipped byte in a memory snapshot, a peer replica and a durable
 step; once, SIGKILL of every process of the run and a re-run of its run dir. The seed is

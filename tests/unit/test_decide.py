@@ -93,6 +93,19 @@ class Sim:
         w.state, w.exit_code, w.exited_at = "failed", -9, self.now
         return self.tick()
 
+    def fail_restore(self) -> JobState:
+        """The generation starts; node1's rank cannot load the restore point from any tier:
+        it reports the point unusable and exits 1; the stop is acknowledged."""
+        self.run_generation(step=None)  # type: ignore[arg-type]
+        self.s.unusable.append([self.s.restore_step, self.s.restore_gen])  # the rank's report
+        w = self.worker("node1")
+        w.step, w.state, w.exit_code, w.exited_at, w.error = (
+            None, "failed", 1, self.now, "CheckpointCorruptError: step: checksum",
+        )  # fmt: skip
+        self.tick()
+        self.ack_stop()
+        return self.tick()
+
     def worker(self, node: str) -> WorkerObs:
         return next(iter(self.obs[node].workers.values()))
 
@@ -646,15 +659,7 @@ def test_a_point_no_rank_could_restore_falls_back_to_an_older_one_not_a_user_err
     sim.tick()
     assert sim.s.restore_step == 12
     for expect_next in (8, 4, None):  # every copy turns out unreadable at load, newest first
-        sim.run_generation(step=None)  # type: ignore[arg-type]
-        sim.s.unusable.append([sim.s.restore_step, sim.s.restore_gen])  # the rank's report
-        w = sim.worker("node1")
-        w.step, w.state, w.exit_code, w.exited_at, w.error = (
-            None, "failed", 1, sim.now, "CheckpointCorruptError: step: checksum",
-        )  # fmt: skip
-        sim.tick()
-        sim.ack_stop()
-        sim.tick()
+        sim.fail_restore()
         if expect_next is None:
             break
         assert sim.s.phase == Phase.RENDEZVOUS and sim.s.restore_step == expect_next
@@ -679,15 +684,7 @@ def test_a_lost_memory_point_with_nothing_ever_durable_restarts_from_the_scripts
     sim.ack_stop()
     sim.tick()
     assert sim.s.phase == Phase.RENDEZVOUS and sim.s.restore_step == 1, sim.s.reason
-    sim.run_generation(step=None)  # type: ignore[arg-type]
-    sim.s.unusable.append([1, 0])  # a rank's report: step 1 failed to load from every tier
-    w = sim.worker("node1")
-    w.step, w.state, w.exit_code, w.exited_at, w.error = (
-        None, "failed", 1, sim.now, "CheckpointCorruptError: step 1: checksum",
-    )  # fmt: skip
-    sim.tick()
-    sim.ack_stop()
-    sim.tick()
+    sim.fail_restore()  # step 1 fails to load from every tier
     assert sim.s.phase == Phase.RENDEZVOUS and sim.s.restore_step is None, sim.s.reason
     (fallback,) = [d for k, d in sim.events if k == "restore_fallback"]
     assert fallback["next"] is None and fallback["from_start"] is True

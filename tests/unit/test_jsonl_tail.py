@@ -31,6 +31,11 @@ def test_appended_lines_are_read_a_torn_line_waits_and_a_new_file_is_read_from_i
     with open(log, "w") as f:  # truncated in place: shorter than what was read
         f.write("")
     assert events(tmp_path) == []
+    _append(log, json.dumps({"kind": "e"}) + "\n")
+    assert [e["kind"] for e in events(tmp_path)] == ["e"]
+    with open(log, "w") as f:  # rewritten in place, longer than before: other first bytes
+        f.write(json.dumps({"kind": "f", "pad": "x" * 40}) + "\n")
+    assert [e["kind"] for e in events(tmp_path)] == ["f"]
     m = tmp_path / "metrics.jsonl"
     _append(m, json.dumps({"step": 1, "loss": 2.5, "time": 7.0}) + "\n" + '{"step": 2}\n')
     assert metrics(tmp_path) == [(1, 2.5, 7.0)]  # a line without a loss is skipped

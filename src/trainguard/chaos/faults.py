@@ -74,16 +74,18 @@ def drop_segments(run_dir: Path) -> list[str]:
 class _Tails:
     """JSON-lines files that only grow, parsed incrementally: each read parses the complete
     lines appended since the last (a poll at 20 Hz re-parsing a whole 0.5 MB events.jsonl
-    took 60% of a core beside the job it waited on). A file replaced (another inode) or
-    shorter than what was read is parsed again from its start; the newest ``KEEP`` files are
-    remembered. Thread-safe."""
+    took 60% of a core beside the job it waited on). A file replaced (another inode, or the
+    same inode number reused with other first bytes) or shorter than what was read is parsed
+    again from its start; the newest ``KEEP`` files are remembered. Thread-safe."""
 
     KEEP = 16
+    HEAD = 64  # bytes of a file's start kept to know it again
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # (path, parse) -> ((device, inode, first bytes), offset read up to, parsed lines)
         self._files: dict[
-            tuple[Path, Callable[[Any], Any]], tuple[tuple[int, int], int, list[Any]]
+            tuple[Path, Callable[[Any], Any]], tuple[tuple[int, int, bytes], int, list[Any]]
         ] = {}
 
     def read(self, path: Path, parse: Callable[[Any], Any]) -> list[Any]:
@@ -96,9 +98,11 @@ class _Tails:
             return []
         with f, self._lock:
             st = os.fstat(f.fileno())
-            key, ident = (path, parse), (st.st_dev, st.st_ino)
-            was, offset, items = self._files.pop(key, ((-1, -1), 0, []))
-            if was != ident or st.st_size < offset:
+            key = (path, parse)
+            ident = (st.st_dev, st.st_ino, os.pread(f.fileno(), self.HEAD, 0))
+            was, offset, items = self._files.pop(key, ((-1, -1, b""), 0, []))
+            same = was[:2] == ident[:2] and ident[2].startswith(was[2])  # the head may grow
+            if not same or st.st_size < offset:
                 offset, items = 0, []
             f.seek(offset)
             data = f.read()
