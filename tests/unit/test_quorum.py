@@ -97,6 +97,12 @@ def test_a_call_to_a_frozen_store_raises_at_its_deadline(tmp_path: Path) -> None
         quorum.ensure(client, 2)
         assert quorum.latest(client).members == (0, 1)
         os.kill(server.pid, signal.SIGSTOP)
+        # Stopped only once each of its threads took the signal: on a loaded machine the
+        # store's thread once answered the read first (the call returned, nothing raised).
+        stopped = time.monotonic() + 30
+        while not _all_stopped(server.pid):
+            assert time.monotonic() < stopped, "the store process did not stop"
+            time.sleep(0.01)
         t0 = time.monotonic()
         with pytest.raises(quorum.QuorumError, match="did not answer"):
             quorum.read(client, 1)
@@ -130,3 +136,12 @@ def test_a_restart_counts_only_its_own_heal() -> None:
     ]  # fmt: skip
     first, second = local_recoveries(ev)
     assert first["heal"] is None and second["rejoined_s"] == 2.5
+
+
+def _all_stopped(pid: int) -> bool:
+    """Is every thread of ``pid`` stopped (state T in /proc/PID/task/TID/stat)?"""
+    states = [
+        (t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        for t in Path(f"/proc/{pid}/task").iterdir()
+    ]
+    return bool(states) and all(st == "T" for st in states)
