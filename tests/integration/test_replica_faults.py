@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
@@ -46,9 +47,9 @@ def _tcp_max(name: str) -> int:
 
 # The most bytes of a transfer between two local processes that can be past the sender and
 # not yet in the receiver's file: the sender's send buffer, the receiver's receive buffer, each
-# at its largest, and the receiving loop's own buffer. A receiver stopped with fewer than
-# nbytes - INFLIGHT in its file has a sender that is still sending.
-INFLIGHT = _tcp_max("tcp_rmem") + _tcp_max("tcp_wmem") + replica._BUF
+# at its largest, the receiving loop's own buffer and its socket reader's. A receiver stopped
+# with fewer than nbytes - INFLIGHT in its file has a sender that is still sending.
+INFLIGHT = _tcp_max("tcp_rmem") + _tcp_max("tcp_wmem") + replica._BUF + io.DEFAULT_BUFFER_SIZE
 BIG = INFLIGHT + (64 << 20)  # a slot whose transfer outlasts every buffer
 SMALL = 1 << 20
 

@@ -180,7 +180,7 @@ class RestartConfig:
         None,
         "spare workers each node keeps started, torch imported, for the next restart "
         "(unset: one per worker, nproc_per_node; 0: a restart starts them, ~2-5 s of CPU "
-        "each)",
+        "each, and only the agent that hosts a store imports torch, when it does)",
     )
 
     def __post_init__(self) -> None:
