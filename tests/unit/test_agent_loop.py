@@ -283,3 +283,26 @@ def test_a_malformed_worker_datagram_is_logged_and_dropped_and_the_next_one_is_t
     agent.report_once(timeout_s=1.0)
     steps = link.reports[-1]["steps"]
     assert steps == [{"generation": 0, "rank": 2, "items": [record.to_json()]}]
+
+
+def test_with_no_warm_spares_only_the_store_host_imports_torch_and_its_loop_never_waits(
+    parts: tuple[Agent, FakeLauncher, FakeLink], tmp_path: Path
+) -> None:
+    """warm_spares = 0: an agent that hosts no store starts no torch import (the 2-3 s of CPU
+    a loaded 2-core host spent in every agent); the one that hosts it imports on a thread
+    and hosts the store on a later pass, its loop never blocked on the import."""
+    agent, launcher, link = parts
+    deliver(agent, link, 1, run_state(tmp_path, 0, warm_spares=0))
+    assert agent._warm is None and len(launcher.started) == 2
+    deliver(agent, link, 2, run_state(tmp_path, 1, warm_spares=0, host_store=True))
+    assert agent._warm is not None
+    deadline = time.monotonic() + 60
+    while agent._store is None and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        agent.loop_once()
+        assert time.monotonic() - t0 < 1.0  # a pass, not the import
+        time.sleep(0.05)
+    assert agent._store is not None and agent._store[0] == 1
+    assert len(launcher.started) == 4  # generation 1's ranks, once its store is up
+    deliver(agent, link, 3, run_state(tmp_path, 2))  # warm spares (unset: one per worker)
+    assert agent._warm is not None and agent._warm.is_set()

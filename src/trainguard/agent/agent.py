@@ -179,7 +179,7 @@ class Agent:
         self._signals_mono = -1e9
         self._stopped_generation = -1
         self._store: tuple[int, Any] | None = None
-        self._warming = False  # the torch import for the store started ahead (_warm_torch)
+        self._warm: threading.Event | None = None  # set once torch.distributed is in
         self._events: list[protocol.ReportEvent] = []
         self._steps: dict[tuple[int, int], list[StepRecord]] = {}
         (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -375,19 +375,21 @@ class Agent:
             self._stop_workers(grace_s=1.0)
             self._run_desired = None
 
-    def _warm_torch(self, d: Run | Idle) -> None:
-        """Import torch.distributed (the store's, ``_host_store``) on a thread, once, ahead of
-        the generation that needs it, where the job keeps warm spares: a job that pays imports
-        ahead for fast restarts pays this one too. With ``warm_spares = 0`` only the node that
-        hosts a store imports it, when it does (~2-3 s of CPU on a loaded 2-core host; the
-        others never need it)."""
-        if self._warming or _spares(d) == 0:
-            return
-        self._warming = True
-        threading.Thread(
-            target=importlib.import_module, args=("torch.distributed",), name="agent-warm",
-            daemon=True,
-        ).start()  # fmt: skip
+    def _torch_ready(self) -> bool:
+        """Has torch.distributed (the store's, ``_host_store``) been imported? The first call
+        starts the import on a thread of its own, so the main loop never waits on it (~2-3 s
+        of CPU on a loaded 2-core host)."""
+        if self._warm is None:
+            self._warm = threading.Event()
+            threading.Thread(target=self._import_torch, name="agent-warm", daemon=True).start()
+        return self._warm.is_set()
+
+    def _import_torch(self) -> None:
+        assert self._warm is not None
+        try:
+            importlib.import_module("torch.distributed")
+        finally:
+            self._warm.set()  # a failed import fails again, with its error, in _host_store
 
     # ------------------------------------------------------------------ reconcile
     def _reconcile(self) -> bool:
@@ -403,8 +405,10 @@ class Agent:
             self.checks.run(d.task, env)
             return False
         self.checks.stop()
-        if isinstance(d, Run | Idle):
-            self._warm_torch(d)
+        if isinstance(d, Run | Idle) and _spares(d) > 0:
+            # A job that keeps warm spares pays imports ahead for fast restarts: the store's
+            # too, on every node. With none, only a node that hosts a store imports it.
+            self._torch_ready()
         ckpt = d.ckpt if isinstance(d, Run | Idle) else None
         if ckpt is not None:
             self.ckptd.ensure(ckpt)  # starting a ckptd waits until it listens (up to 30 s)
@@ -429,6 +433,8 @@ class Agent:
             if self.generation is not None and self.generation != gen:
                 self._stop_workers(grace_s=1.0)
             if d.host_store and (self._store is None or self._store[0] != gen):
+                if not self._torch_ready():
+                    return False  # the import goes on; the next pass (LOOP_S) hosts the store
                 self._host_store(gen)
             if self.generation != gen and d.master_port is not None:
                 if gen == self._fenced_generation:
