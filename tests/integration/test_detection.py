@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import statistics
 import threading
 import urllib.request
@@ -126,19 +127,24 @@ def test_a_loss_spike_and_a_nan_are_reported_at_their_steps(tmp_path: Path) -> N
     assert metrics[-1]["step"] == 250 and metrics[-1]["loss"] == metrics[-1]["loss"]  # finite
 
 
+# Steps of the clean 8-rank run: 1000 by default; CI's alone run (.ci/run) sets 500 to hold its
+# 90 minutes (500 steps are still 25 of the straggler detector's 20-step windows).
+CLEAN_STEPS = int(os.environ.get("TRAINGUARD_CLEAN_STEPS", "1000"))
+
+
 @pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @pytest.mark.slow
-def test_a_thousand_clean_steps_raise_no_alert(tmp_path: Path) -> None:
+def test_a_long_clean_run_raises_no_alert(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     res = run_job(
         run_dir,
         ["--nodes", "4", "--nproc-per-node", "2"],
-        [*TINY, "--steps", "1000", "--ckpt-every", "10"],
+        [*TINY, "--steps", str(CLEAN_STEPS), "--ckpt-every", "10"],
         timeout=900,
         config='preflight = "off"\nheartbeat_s = 0.2\nprobe_every_s = 0\n',
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert reached_step(run_dir, 1000)
+    assert reached_step(run_dir, CLEAN_STEPS)
     assert alerts(run_dir) == []
 
 

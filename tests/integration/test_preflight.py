@@ -273,17 +273,22 @@ def test_a_job_leaves_out_a_node_that_fails_preflight_and_keeps_it_quarantined(
     assert got["lists"]["running"] == ["node0", "node2"], got["lists"]
 
 
+# Clean runs in a row that must flag no node: 10 by default; CI's alone run (.ci/run) sets 5 to
+# hold its 90 minutes (each run is a whole `trainguard check`, ~30 s here).
+CLEAN_RUNS = int(os.environ.get("TRAINGUARD_CLEAN_PREFLIGHT_RUNS", "10"))
+
+
 @pytest.mark.alone  # a detector's timing: nothing else runs beside it in CI
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ten whole `trainguard check` runs, ~30 s each here
-def test_ten_runs_on_a_clean_pool_flag_no_node(tmp_path: Path) -> None:
+def test_repeated_runs_on_a_clean_pool_flag_no_node(tmp_path: Path) -> None:
     totals = []
-    for i in range(10):
+    for i in range(CLEAN_RUNS):
         result, _, _ = check_local(tmp_path / f"r{i}")
         assert all(v["ok"] for v in result["verdicts"].values()), (i, problems(result))
         totals.append(result["stage_s"]["total"])
-    print(f"quick pre-flight, 4 simulated nodes, 10 clean runs: {sorted(totals)} s")
-    assert max(totals) < 60, totals
+    print(f"quick pre-flight, 4 simulated nodes, {CLEAN_RUNS} clean runs: {sorted(totals)} s")
+    assert len(totals) == CLEAN_RUNS >= 1 and max(totals) < 60, totals
 
 
 @pytest.mark.slow
