@@ -69,11 +69,32 @@ WARM_CONFIG = chaos_run.FAST_CONFIG
 PREFLIGHT_CONFIG = FAST_CONFIG.replace('preflight = "off"', 'preflight = "quick"')
 
 
+# The longest tests after chaos (CI's slow run, 2026-12-07: 2-6 min each under load), started
+# early for the same reason; the Slurm tests share one cluster on one worker (loadgroup).
+LONG_FIRST = (
+    "test_slurm.py::",
+    "::test_repeated_recoveries_leave_threads_fds_and_shm_where_they_were",
+    "::test_ckptd_frozen_under_the_agents_preverify_is_killed_and_each_rank_verifies_itself",
+    "::test_a_partition_between_replica_groups_leaves_out_the_side_without_the_store",
+    "::test_world_change_reshards_the_durable_checkpoint",
+    "::test_the_recovery_benchmark_smoke_run_prints_its_keys",
+    "::test_the_straggler_benchmark_smoke_run_prints_its_keys",
+    "::test_the_node_recovery_benchmark_smoke_run_prints_its_keys",
+    "::test_the_sdc_benchmark_smoke_run_prints_its_keys",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The chaos test (minutes of faults, the longest by far) first: run two at a time (-n 2),
-    a long test started last leaves one worker idle for its length. A stable sort, the same
-    on every xdist worker."""
-    items.sort(key=lambda item: item.get_closest_marker("chaos") is None)
+    """The chaos test (minutes of faults, the longest by far) first, then LONG_FIRST: run two
+    at a time (-n 2), a long test started last leaves one worker idle for its length. A
+    stable sort, the same on every xdist worker."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("chaos") is not None:
+            return 0
+        return 1 if any(k in item.nodeid for k in LONG_FIRST) else 2
+
+    items.sort(key=rank)
 
 
 def run_process(p: psutil.Process, tag: str) -> bool:
