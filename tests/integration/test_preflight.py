@@ -155,7 +155,11 @@ def test_a_cpu_throttled_node_is_flagged_for_slow_gemm(tmp_path: Path, hosts: Ho
     cg.mkdir()
     try:
         (cg / "cpu.cfs_period_us").write_text("100000")
-        (cg / "cpu.cfs_quota_us").write_text("10000")  # 10% of one CPU
+        # 20% of one CPU: GEMM at a fifth of its rate, far under gemm_min_ratio (0.5) of the
+        # pool's. The node's agent shares the quota with its check: at 10% the check wrote its
+        # result 8 s before the node stage's 120 s deadline and the agent's report missed it
+        # (an inconclusive verdict, not the slow GEMM this test is about).
+        (cg / "cpu.cfs_quota_us").write_text("20000")
         procs = cg / "cgroup.procs"  # (/sys/fs/cgroup is not mounted inside `ip netns exec`)
         result, _ = check_hosts(tmp_path, hosts, before={1: lambda pid: procs.write_text(str(pid))})
     finally:
