@@ -86,8 +86,10 @@ LONG_FIRST = (
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The chaos test (minutes of faults, the longest by far) first, then LONG_FIRST: run two
-    at a time (-n 2), a long test started last leaves one worker idle for its length. A
-    stable sort, the same on every xdist worker."""
+    at a time (-n 2), a long test started last leaves one worker idle for its length. The
+    rest in collection order, rotated by ``TRAINGUARD_CI_ROTATE`` (an integer; .ci/run sets
+    the commit's) when set: the tests CI's time budget leaves out (``pytest_runtest_setup``)
+    differ from one commit to the next. The same order on every xdist worker."""
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("chaos") is not None:
@@ -95,6 +97,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 1 if any(k in item.nodeid for k in LONG_FIRST) else 2
 
     items.sort(key=rank)
+    rest = [i for i in items if rank(i) == 2]
+    k = int(os.environ.get("TRAINGUARD_CI_ROTATE") or 0) % max(1, len(rest))
+    items[len(items) - len(rest) :] = rest[k:] + rest[:k]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """CI's time budget (.ci/run): past ``TRAINGUARD_CI_DEADLINE`` (Unix time, seconds) a slow
+    test that has not started is skipped, with the reason in the summary (-ra). The default
+    suite is never skipped; .ci/run sets a deadline for its slow and alone runs only."""
+    deadline = os.environ.get("TRAINGUARD_CI_DEADLINE")
+    if deadline and item.get_closest_marker("slow") is not None and time.time() > float(deadline):
+        pytest.skip(
+            f"{item.nodeid}: CI's time budget for slow tests is spent (.ci/run, "
+            "TRAINGUARD_CI_DEADLINE); their order rotates with the commit "
+            "(TRAINGUARD_CI_ROTATE): another commit's CI runs it"
+        )
 
 
 def run_process(p: psutil.Process, tag: str) -> bool:
