@@ -164,7 +164,11 @@ def test_groups_of_two_ranks_heal_after_a_kill_with_every_rank_equal(tmp_path: P
 @pytest.mark.slow  # CI's slow run (the default suite stays under 15 min)
 def test_a_healing_group_that_dies_again_heals_on_its_next_restart(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _start(run, ["--nodes", "2", "--replica-groups", "2"],
+    # Group 0 paced 3x (a sleep; the losses do not change): it must still be training when
+    # group 1's third incarnation joins. Unpaced, on a loaded machine, group 0 had finished
+    # its 300 steps by then and group 1 fell back to a global restart (no live peer).
+    proc = _start(run, ["--nodes", "2", "--replica-groups", "2",
+                        "--inject", "slow:rank=0:factor=3"],
                   env={"TRAINGUARD_REPLICA_DRILL": "die-receiving:5"})  # fmt: skip
     _kill_rank(run, 1, 30)
     code, err = finish_job(proc, 240)
