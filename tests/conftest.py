@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
 )
+from tests import diagnose  # noqa: E402
 from trainguard.chaos import faults as chaos_faults  # noqa: E402  (this checkout's)
 from trainguard.chaos import run as chaos_run  # noqa: E402
 
@@ -133,7 +134,9 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
     me = psutil.Process()
     mine = {me.pid, *(p.pid for p in me.parents())}
     shm_before = set(os.listdir("/dev/shm"))
+    diagnose.set_test_dir(tmp_path)  # what a timed-out wait_for shows
     yield
+    diagnose.set_test_dir(None)
     deadline = time.monotonic() + 15.0
     leaked: list[psutil.Process] = []
     while time.monotonic() < deadline:
@@ -317,7 +320,7 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
         if value:
             return value
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{diagnose.account()}")
 
 
 def worker_pid(run_dir: Path, rank: int, generation: int = 0) -> int:

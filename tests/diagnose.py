@@ -1,0 +1,102 @@
+"""What a timed-out wait in a test shows: the state of the jobs under the test's tmp dir.
+
+CI keeps only the output of a failed test (no run dirs), so ``wait_for`` (tests/conftest.py)
+appends this to its AssertionError: each run dir's newest events, the warnings and errors of
+its agents', ckptds' and spares' logs, and the test's processes still alive with their state.
+Bounded (``MAX_CHARS``) so one failure's account does not push the others out of the log."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+
+MAX_CHARS = 6000
+EVENTS = 12  # newest events per run dir
+LOG_LINES = 6  # newest WARNING/ERROR lines per log file
+LOG_TAIL_BYTES = 65536
+
+_test_dir: Path | None = None  # set by the autouse fixture for the running test
+
+
+def set_test_dir(d: Path | None) -> None:
+    global _test_dir
+    _test_dir = d
+
+
+def _event_line(e: dict[str, object], t0: float) -> str:
+    keep = {k: v for k, v in e.items() if k in ("node", "rank", "generation", "cause", "reason")}
+    ts = e.get("ts")
+    when = f"{float(ts) - t0:+7.1f}s" if isinstance(ts, int | float) else "      ?"
+    return f"    {when} {e.get('kind')} {json.dumps(keep)[:160]}"
+
+
+def _events(run: Path) -> list[str]:
+    lines = (run / "events.jsonl").read_text(errors="replace").splitlines()
+    evs = []
+    for line in lines:
+        try:
+            evs.append(json.loads(line))
+        except ValueError:
+            continue
+    if not evs:
+        return ["    (no events)"]
+    t0 = float(evs[0].get("ts", 0.0))
+    out = [f"    {len(evs)} events; newest {EVENTS} (seconds from the first):"]
+    return out + [_event_line(e, t0) for e in evs[-EVENTS:]]
+
+
+def _log_problems(logs: Path) -> list[str]:
+    out = []
+    for f in sorted(logs.glob("*.log")):
+        if f.name.startswith("rank"):
+            continue
+        with open(f, "rb") as fh:
+            fh.seek(max(0, f.stat().st_size - LOG_TAIL_BYTES))
+            text = fh.read().decode(errors="replace")
+        bad = [x for x in text.splitlines() if "WARNING" in x or "ERROR" in x or "Error" in x]
+        out += [f"    {f.name}: {x[:200]}" for x in bad[-LOG_LINES:]]
+    return out
+
+
+def _processes(tag: str) -> list[str]:
+    out = []
+    me = psutil.Process()
+    mine = {me.pid, *(q.pid for q in me.parents())}
+    for p in psutil.process_iter(["pid", "cmdline", "status", "create_time"]):
+        try:
+            if p.info["pid"] in mine:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if tag not in cmd:
+                continue
+            age = time.time() - p.info["create_time"]
+            short = " ".join(a.rsplit("/", 1)[-1] for a in cmd.split()[:6])
+            out.append(f"    pid {p.info['pid']} {p.info['status']} {age:.0f}s: {short[:150]}")
+        except (psutil.Error, TypeError):
+            continue
+    return out
+
+
+def account() -> str:
+    """The state of the running test's jobs (empty when no test dir is known)."""
+    d = _test_dir
+    if d is None or not d.exists():
+        return ""
+    parts = [f"state under {d}:"]
+    try:
+        for ev in sorted(d.rglob("events.jsonl")):
+            run = ev.parent
+            parts.append(f"  run dir {run.relative_to(d)}:")
+            parts += _events(run)
+            if (run / "logs").is_dir():
+                parts += _log_problems(run / "logs")
+        procs = _processes(str(d))
+        parts.append(f"  processes of this test still running: {len(procs)}")
+        parts += procs
+    except OSError as e:
+        parts.append(f"  (could not read: {e})")
+    text = "\n".join(parts)
+    return text if len(text) <= MAX_CHARS else text[:MAX_CHARS] + "\n  ...(cut)"
