@@ -251,7 +251,9 @@ def test_controller_sigkill_and_restart_keeps_the_workers(
     job.controller.send_signal(signal.SIGKILL)
     job.controller.wait(timeout=10)
     job.port = 0  # the same command (--bind HOST:0): it listens on its old port again
+    t0 = time.monotonic()
     job.start_controller()
+    print(f"the restarted controller listened {time.monotonic() - t0:.1f}s after its start")
     job.wait()
     assert losses(job.run_dir) == reference
     evs = read_events(job.run_dir)
