@@ -50,6 +50,7 @@ def test_one_command_a_host_decides_at_a_time_and_a_dead_holder_frees_the_lock(
     """The decision lock is an abstract Unix socket: a second command waits (here: past a
     shortened deadline, a ValueError naming the fix); closing the first, or its process
     dying however it dies, frees it; nothing is left on disk."""
+    import os
     import subprocess
     import sys
     import tempfile
@@ -57,8 +58,10 @@ def test_one_command_a_host_decides_at_a_time_and_a_dead_holder_frees_the_lock(
 
     from trainguard.cli import hosts
 
-    tmp = Path(tempfile.gettempdir())
-    before = {p.name for p in tmp.iterdir()}
+    # Where a file would be left: this process's temporary dir (names of ours only: the other
+    # test worker's processes use it too) and the child's (TMPDIR, this test's own: all).
+    tmp, child_tmp = Path(tempfile.gettempdir()), Path(os.environ["TMPDIR"])
+    before = {p.name for p in tmp.iterdir() if p.name.startswith("trainguard")}
     monkeypatch.setattr(hosts, "LISTEN_WAIT_S", -29.8)  # a deadline 0.2 s away
     held = hosts._decision_lock("10.9.9.9", 29411)
     with pytest.raises(ValueError, match="--node-rank"):
@@ -79,7 +82,8 @@ def test_one_command_a_host_decides_at_a_time_and_a_dead_holder_frees_the_lock(
         child.kill()
         child.wait(timeout=30)
     hosts._decision_lock("10.9.9.9", 29411).close()
-    assert {p.name for p in tmp.iterdir()} - before == set()
+    assert {p.name for p in tmp.iterdir() if p.name.startswith("trainguard")} - before == set()
+    assert list(child_tmp.iterdir()) == []
 
 
 def test_bad_host_lines_are_refused_with_the_fix_before_anything_starts() -> None:
