@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 MAX_CHARS = 6000
-EVENTS = 12  # newest events per run dir
+EVENTS = 20  # newest events per run dir, besides the checkpoint chatter
 LOG_LINES = 6  # newest WARNING/ERROR lines per log file
 LOG_TAIL_BYTES = 65536
 
@@ -26,8 +26,15 @@ def set_test_dir(d: Path | None) -> None:
     _test_dir = d
 
 
+# One per rank and step: their newest step is shown, not each of them.
+CHATTER = frozenset(
+    ("ckpt_staged", "ckpt_part_durable", "ckpt_durable", "replica_stored", "standby_prefetched")
+)
+FIELDS = ("node", "rank", "generation", "step", "to", "cause", "reason")  # of each event shown
+
+
 def _event_line(e: dict[str, object], t0: float) -> str:
-    keep = {k: v for k, v in e.items() if k in ("node", "rank", "generation", "cause", "reason")}
+    keep = {k: v for k, v in e.items() if k in FIELDS}
     ts = e.get("ts")
     when = f"{float(ts) - t0:+7.1f}s" if isinstance(ts, int | float) else "      ?"
     return f"    {when} {e.get('kind')} {json.dumps(keep)[:160]}"
@@ -44,8 +51,13 @@ def _events(run: Path) -> list[str]:
     if not evs:
         return ["    (no events)"]
     t0 = float(evs[0].get("ts", 0.0))
-    out = [f"    {len(evs)} events; newest {EVENTS} (seconds from the first):"]
-    return out + [_event_line(e, t0) for e in evs[-EVENTS:]]
+    steps = [e["step"] for e in evs if e.get("kind") in CHATTER and isinstance(e.get("step"), int)]
+    control = [e for e in evs if e.get("kind") not in CHATTER]
+    out = [
+        f"    {len(evs)} events, newest checkpointed step {max(steps, default=None)}; newest "
+        f"{EVENTS} of the others (seconds from the first):"
+    ]
+    return out + [_event_line(e, t0) for e in control[-EVENTS:]]
 
 
 def _log_problems(logs: Path) -> list[str]:
