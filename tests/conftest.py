@@ -130,7 +130,7 @@ def run_process(p: psutil.Process, tag: str) -> bool:
 # This process's own temporary files stay in the system's directory: pinned before TMPDIR is
 # set below (tempfile reads it once, at its first use). The processes this session starts
 # outside a test (module fixtures' reference runs) put theirs in a directory of the session,
-# removed at its end (pytest_sessionfinish); each test's, in one of its own (_own_tmpdir).
+# removed at its end (pytest_sessionfinish); each test's, in one of its own (no_leaks).
 tempfile.gettempdir()
 SESSION_TMP = Path(tempfile.mkdtemp(prefix="tgtest-s-"))
 os.environ["TMPDIR"] = str(SESSION_TMP)
@@ -140,35 +140,23 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _own_tmpdir() -> Iterator[Path]:
-    """TMPDIR for the processes the test starts: a directory of its own, removed after it.
-    What torchrun (``/tmp/torchelastic_*``, never removed by torchrun) and multiprocessing
-    (``/tmp/pymp-*``, left by a SIGKILLed process) leave goes with it. Short (``/tmp/tgtest-…``):
-    multiprocessing puts Unix sockets there, whose paths must fit in 107 bytes."""
-    before = os.environ.get("TMPDIR")
-    d = Path(tempfile.mkdtemp(prefix="tgtest-"))
-    os.environ["TMPDIR"] = str(d)
-    try:
-        yield d
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
-
-
 @pytest.fixture(autouse=True)
-def no_leaks(tmp_path: Path) -> Iterator[None]:
+def no_leaks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Fail a test that leaves a process, zombie, /dev/shm segment or mount (under its tmp
-    dir) of its own behind; remove the temporary files of the processes it started."""
+    dir) of its own behind.
+
+    The processes it starts get a TMPDIR of their own, removed after it: what torchrun
+    (``/tmp/torchelastic_*``, never removed by torchrun) and multiprocessing (``/tmp/pymp-*``,
+    left by a SIGKILLed process) leave goes with it. Short (``/tmp/tgtest-…``, not under
+    ``tmp_path``): multiprocessing puts Unix sockets there, whose paths fit in 107 bytes."""
     tag = str(tmp_path)
     me = psutil.Process()
     mine = {me.pid, *(p.pid for p in me.parents())}
     shm_before = set(os.listdir("/dev/shm"))
+    tmp = tempfile.mkdtemp(prefix="tgtest-")
+    monkeypatch.setenv("TMPDIR", tmp)
     diagnose.set_test_dir(tmp_path)  # what a timed-out wait_for shows
-    with _own_tmpdir() as tmp:
-        yield
+    yield
     diagnose.set_test_dir(None)
     try:
         _check_leaks(tag, tmp_path, me, mine, shm_before)

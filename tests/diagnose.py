@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from trainguard.chaos import faults as chaos_faults
+
 MAX_CHARS = 6000
 EVENTS = 20  # newest events per run dir, besides the checkpoint chatter
 LOG_LINES = 6  # newest WARNING/ERROR lines per log file
@@ -41,13 +43,7 @@ def _event_line(e: dict[str, object], t0: float) -> str:
 
 
 def _events(run: Path) -> list[str]:
-    lines = (run / "events.jsonl").read_text(errors="replace").splitlines()
-    evs = []
-    for line in lines:
-        try:
-            evs.append(json.loads(line))
-        except ValueError:
-            continue
+    evs = chaos_faults.events(run)  # complete lines only
     if not evs:
         return ["    (no events)"]
     t0 = float(evs[0].get("ts", 0.0))
@@ -73,21 +69,14 @@ def _log_problems(logs: Path) -> list[str]:
     return out
 
 
-def _processes(tag: str) -> list[str]:
+def _processes(d: Path) -> list[str]:
     out = []
-    me = psutil.Process()
-    mine = {me.pid, *(q.pid for q in me.parents())}
-    for p in psutil.process_iter(["pid", "cmdline", "status", "create_time"]):
+    for p in chaos_faults.run_processes(d):  # naming ``d`` in their command line or environment
         try:
-            if p.info["pid"] in mine:
-                continue
-            cmd = " ".join(p.info["cmdline"] or [])
-            if tag not in cmd:
-                continue
-            age = time.time() - p.info["create_time"]
-            short = " ".join(a.rsplit("/", 1)[-1] for a in cmd.split()[:6])
-            out.append(f"    pid {p.info['pid']} {p.info['status']} {age:.0f}s: {short[:150]}")
-        except (psutil.Error, TypeError):
+            age = time.time() - p.create_time()
+            short = " ".join(Path(a).name if a.startswith("/") else a for a in p.cmdline()[:6])
+            out.append(f"    pid {p.pid} {p.status()} {age:.0f}s: {short[:150]}")
+        except psutil.Error:
             continue
     return out
 
@@ -105,7 +94,7 @@ def account() -> str:
             parts += _events(run)
             if (run / "logs").is_dir():
                 parts += _log_problems(run / "logs")
-        procs = _processes(str(d))
+        procs = _processes(d)
         parts.append(f"  processes of this test still running: {len(procs)}")
         parts += procs
     except OSError as e:
