@@ -284,24 +284,54 @@ def drop_orphan_semaphores(shm: Path = Path("/dev/shm"), min_age_s: float = 5.0)
     return gone
 
 
+def _short_native(line: str) -> str:
+    """A native frame's C++ template arguments folded to ``<…>`` (a bernoulli kernel's frame
+    is 1,500 characters of them); Python frames (``<module>``, ``<lambda>``) are left as
+    they are, and a line stays under 300 characters."""
+    out: list[str] = []
+    depth = 0
+    for i, ch in enumerate(line):
+        if ch == "<" and (depth or (i and (line[i - 1].isalnum() or line[i - 1] in "_:"))):
+            depth += 1
+            if depth == 1:
+                out.append("<…")
+            continue
+        if ch == ">" and depth:
+            depth -= 1
+            if depth == 0:
+                out.append(">")
+            continue
+        if not depth:
+            out.append(ch)
+    text = "".join(out)
+    return text if len(text) <= 300 else text[:299] + "…"
+
+
 def _py_spy(exe: str, pid: int, deadline: float) -> str:
-    """One process's stack: a normal dump (suspends it briefly, consistent), else — for a
-    stopped process, which py-spy cannot suspend — non-blocking reads, retried because a
-    read can race with the running interpreter."""
+    """One process's stack: with native frames first (what a thread blocked in C++ waits for:
+    a mutex, the GIL, a socket), else Python frames only (a normal dump suspends the process
+    briefly and is consistent), else — for a stopped process, which py-spy cannot suspend —
+    non-blocking reads, retried because a read can race with the running interpreter. The
+    native try gets at most half the time left, so the others still have theirs."""
     text = "no stack: py-spy did not answer in time"
-    for flags in ([], ["--nonblocking"], ["--nonblocking"], ["--nonblocking"]):
+    tries = (["--native"], [], ["--nonblocking"], ["--nonblocking"], ["--nonblocking"])
+    for flags in tries:
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
             res = subprocess.run(
-                [exe, "dump", *flags, "--pid", str(pid)], capture_output=True, timeout=left
+                [exe, "dump", *flags, "--pid", str(pid)],
+                capture_output=True,
+                timeout=left / 2 if flags == ["--native"] else left,
             )
         except subprocess.TimeoutExpired:
+            if flags == ["--native"]:
+                continue
             break
         text = (res.stdout + res.stderr).decode(errors="replace")
         if res.returncode == 0 and "Thread" in text:
-            return text
+            return "\n".join(_short_native(line) for line in text.splitlines())
     return text
 
 

@@ -12,6 +12,7 @@ lists what it could not see.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -474,8 +475,32 @@ def _print_faults(con: Console, rep: dict[str, Any]) -> None:
     for h in rep["hangs"]:
         con.print(f"hang in generation {h['generation']}: {h['message']}")
         con.print(f"  stack of rank {h['rank']} ({str(h['node'])}), the rank that held the others:")
-        for line in h["stack"].splitlines()[:25]:
-            con.print(f"    {line}")
+        for line in condensed_stack(h["stack"]).splitlines()[:40]:
+            con.print(f"    {line}", markup=False, highlight=False)
+
+
+_PY_FRAME = re.compile(r"\([^()]*:\d+\)$")  # py-spy's "func (file.py:123)"
+
+
+def condensed_stack(text: str, native: int = 3) -> str:
+    """A py-spy ``--native`` dump with each thread's native frames cut to the ``native``
+    innermost ones before its first Python frame (where the thread waits: a mutex, the GIL, a
+    socket) and none after; Python frames and the thread lines kept whole."""
+    out: list[str] = []
+    seen_native = 0
+    seen_python = False
+    for line in text.splitlines():
+        frame = line.startswith(" ")
+        if not frame:
+            seen_native, seen_python = 0, False
+        elif _PY_FRAME.search(line.strip()):
+            seen_python = True
+        else:
+            seen_native += 1
+            if seen_python or seen_native > native:
+                continue
+        out.append(line)
+    return "\n".join(out)
 
 
 def _print_alerts(con: Console, alerts: list[dict[str, Any]]) -> None:
