@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import FAST_CONFIG, ROOT, events, trainguard_cmd, wait_for, worker_pid
+from trainguard.checkpoint.archive import Archive
 
 SCRIPT = ROOT / "tests" / "helpers" / "userscripts" / "titan_shaped.py"
 STEPS = 16
@@ -84,6 +86,44 @@ def test_kill_9_restores_through_dcp_from_memory_with_the_same_losses(
     assert {e["tier"] for e in loads} == {"memory"}, loads  # ckptd kept the snapshots
     assert {e["step"] for e in loads} == {loads[0]["step"]} and loads[0]["step"] >= 6
     assert all(e.get("via") == "dcp" for e in loads)
+
+
+@pytest.mark.slow  # two jobs (~1 min here)
+def test_a_dcp_trainer_resumes_from_the_cold_tier_on_an_empty_disk_with_the_same_losses(
+    tmp_path: Path, fault_free: dict[int, str]
+) -> None:
+    """The cold tier behind ``dcp.load``: the torchtitan-shaped trainer archives every durable
+    step to a ``file://`` target while it trains 8 steps; its disk tier is then wiped (a new
+    machine) and the job run again to 16 steps: the controller rebuilds the archived step 8 in
+    the disk tier before the first generation, every rank reads it through
+    ``trainguard.dcp.Reader``, and the losses equal the fault-free run's, bit for bit."""
+    url = f"file://{tmp_path}/archive"
+    (tmp_path / "job.toml").write_text(FAST_CONFIG + f'archive_url = "{url}"\narchive_every = 0\n')
+    run = tmp_path / "run"
+
+    def job(steps: int) -> str:
+        """Rank 0's lines of this run (a re-run's generations follow the first run's)."""
+        before = set((run / "logs").glob("rank0.gen*.log"))
+        res = subprocess.run(
+            trainguard_cmd("run", "--run-dir", run, "--config", tmp_path / "job.toml",
+                           "--nproc-per-node", "2", SCRIPT, str(steps), "2"),
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        logs = sorted(set((run / "logs").glob("rank0.gen*.log")) - before)
+        return "".join(p.read_text() for p in logs)
+
+    first = _losses(job(8))
+    assert Archive(url).list_steps()[-1] == 8
+    shutil.rmtree(run / "checkpoints")
+    second = _losses(job(16))
+    assert {**first, **second} == fault_free and min(second) == 9, sorted(second)
+    evs = events(run)
+    assert [e["step"] for e in evs if e["kind"] == "archive_restored"] == [8]
+    loads = [e for e in evs if e["kind"] == "ckpt_load_end"]
+    assert {(e["rank"], e["step"], e["tier"], e.get("via")) for e in loads} == {
+        (0, 8, "durable", "dcp"), (1, 8, "durable", "dcp"),
+    }, loads  # fmt: skip
 
 
 INPROCESS_DCP = ROOT / "tests" / "helpers" / "userscripts" / "inprocess_dcp.py"

@@ -36,9 +36,11 @@ corrupt snapshot found while copying) is re-planned against the durable step's m
 restore that no tier can serve emits ``ckpt_restore_failed`` (the controller then picks an
 older point) and raises ``CheckpointNotFoundError`` / ``CheckpointCorruptError``.
 
-Not served by the DCP reader (the ``Checkpointer``'s restore reads it): the cold tier (object
-storage). Lazily created optimizer state is DCP's
-business: build the state with ``torch.distributed.checkpoint.state_dict.get_state_dict``.
+The cold tier (object storage) reaches the reader as it reaches the ``Checkpointer``: when the
+disk tier lacks the archive's newest verified step (a new machine, a wiped disk), the
+controller rebuilds that step in the disk tier before the first generation, and the reader
+reads it as the durable step. Lazily created optimizer state is DCP's business: build the
+state with ``torch.distributed.checkpoint.state_dict.get_state_dict``.
 
 Concurrency: a ``dcp.async_save`` runs DCP's collectives on a background thread; give it a
 process group of its own (``dist.new_group(backend="gloo")``), as torchtitan does, so they
