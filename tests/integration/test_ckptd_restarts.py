@@ -32,7 +32,13 @@ from trainguard.agent import ckptd_sup
 from trainguard.agent.ckptd_sup import CkptdSupervisor
 from trainguard.checkpoint import snapshot, storage
 from trainguard.checkpoint.api import CheckpointError
-from trainguard.checkpoint.ckptd_client import CkptdClient, address, socket_name, spawn
+from trainguard.checkpoint.ckptd_client import (
+    START_CAP_S,
+    CkptdClient,
+    address,
+    socket_name,
+    spawn,
+)
 from trainguard.protocol import CkptConf, Idle, Stop
 from trainguard.protocol.ckptd import SetPeers, Shutdown, Status, StatusReply
 from trainguard.runtime import api as rt_api
@@ -333,6 +339,24 @@ def test_a_ckptd_frozen_while_starting_is_killed_at_its_deadline_and_the_next_on
         assert "memory tier" in _load(tmp_path, shm, (2, 0), "8")
     finally:
         _shutdown(d2)
+
+
+def test_a_ckptd_still_starting_past_its_deadline_is_waited_for_not_killed(
+    tmp_path: Path, shm: Path
+) -> None:
+    """Row "Start-up wait until it listens", slow: a ckptd that takes longer than spawn's
+    ``timeout_s`` to listen but keeps using CPU (its imports, on a loaded machine) is waited
+    for (up to ``START_CAP_S``), not killed and started again from nothing. A deadline of
+    0.1 s is far below any real start here (imports alone take ~0.3 s)."""
+    t0 = time.monotonic()
+    d = spawn(job=JOB, node=NODE, ckpt_dir=tmp_path / "checkpoints", shm_dir=shm, keep=2,
+              log=tmp_path / "ckptd-slow.log", timeout_s=0.1)  # fmt: skip
+    took = time.monotonic() - t0
+    try:
+        assert 0.1 < took < START_CAP_S, took
+        assert _status().memory == {}, "a fresh ckptd"
+    finally:
+        _shutdown(d)
 
 
 @pytest.mark.slow  # the agent's own 30 s start-up deadline

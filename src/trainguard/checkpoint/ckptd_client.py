@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
+
 from trainguard.checkpoint.api import CheckpointError
 from trainguard.protocol.ckptd import ErrorReply, Request, reply_from_json, request_to_json
 
@@ -52,8 +54,10 @@ def spawn(
     """Start a ckptd process and wait (``timeout_s``) until it accepts connections, calling
     ``idle`` while it waits (the agent keeps reading its workers' reports meanwhile).
 
-    Raises CheckpointError, naming its log, if it exits or does not listen in time (it is
-    killed then).
+    ``timeout_s`` is the wait for a ckptd that makes no progress; one still starting (using
+    CPU, or runnable on a loaded machine) is waited for up to ``START_CAP_S`` seconds.
+    Raises CheckpointError, naming why and its log, if it exits or does not listen in time
+    (it is killed then).
     """
     with open(log, "ab") as f:
         proc = subprocess.Popen(
@@ -77,20 +81,62 @@ def spawn(
             stderr=f,
             env=env,
         )
-    deadline = time.monotonic() + timeout_s
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                CkptdClient(socket_name(job, node), timeout_s=1.0).close()
-                return proc
-            except OSError:
-                idle()
-                time.sleep(0.02)
+        why = _wait_listening(proc, job, node, timeout_s, START_CAP_S, idle)
     except BaseException:  # ``idle`` raised, or an interrupt: no ckptd left unowned
         _kill(proc)
         raise
+    if why is None:
+        return proc
     _kill(proc)
-    raise CheckpointError(f"ckptd for {node} did not start; see {log}")
+    raise CheckpointError(f"ckptd for {node} did not start: {why}; see {log}")
+
+
+START_CAP_S = 300.0  # a ckptd still starting (using CPU) is waited for this long at most
+
+
+def _wait_listening(
+    proc: subprocess.Popen[bytes],
+    job: str,
+    node: str,
+    timeout_s: float,
+    cap_s: float,
+    idle: Callable[[], None],
+) -> str | None:
+    """None once ``proc`` accepts connections; else why it never will: it exited, it made no
+    progress by ``timeout_s`` (no CPU time used in the last ``timeout_s / 4`` seconds and not
+    runnable: SIGSTOPped, frozen, blocked), or it still did not listen after ``cap_s``. A
+    start slowed by a loaded machine (its imports take CPU it gets little of) is waited for
+    while it progresses: killing it would start the same imports again from nothing."""
+    t0 = time.monotonic()
+    window = max(timeout_s / 4.0, 0.5)
+    seen_cpu, progressed = -1.0, t0
+    try:
+        ps = psutil.Process(proc.pid)
+    except psutil.Error:
+        ps = None
+    while proc.poll() is None:
+        try:
+            CkptdClient(socket_name(job, node), timeout_s=1.0).close()
+            return None
+        except OSError:
+            pass
+        now = time.monotonic()
+        if ps is not None:
+            with contextlib.suppress(psutil.Error):
+                cpu = sum(ps.cpu_times()[:2])
+                if cpu > seen_cpu or ps.status() == psutil.STATUS_RUNNING:
+                    seen_cpu, progressed = cpu, now
+        if now - t0 >= max(cap_s, timeout_s):
+            return f"not listening after {now - t0:.0f}s while still starting"
+        if now - t0 >= timeout_s and now - progressed >= window:
+            return (
+                f"not listening after {now - t0:.0f}s, no progress for the last "
+                f"{now - progressed:.1f}s (stopped, frozen or blocked)"
+            )
+        idle()
+        time.sleep(0.02)
+    return f"it exited with code {proc.returncode} before listening"
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
