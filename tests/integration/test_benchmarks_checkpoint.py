@@ -62,4 +62,9 @@ def test_the_dcp_storage_benchmark_smoke_run_prints_its_keys() -> None:
     ):  # fmt: skip
         assert r[key] > 0, key
     assert r["reader_tiers"] == ["memory"]  # every timed dcp.load was served from memory
+    # trainguard's own part of each DCP call is timed inside it: a part of the whole
+    for part, whole in (("dcp_async_stage_s", "dcp_async_stall_s"),
+                        ("dcp_restore_read_s", "dcp_restore_s")):  # fmt: skip
+        assert all(0 < a < b for a, b in zip(r["rounds"][part], r["rounds"][whole], strict=True))
+    assert r["dcp_async_outside_stage_ms"] > 0 and r["dcp_restore_outside_read_ms"] > 0
     assert "AdamW" in r["state"] and len(r["rounds"]["dcp_restore_s"]) == 2
