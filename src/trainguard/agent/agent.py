@@ -411,7 +411,7 @@ class Agent:
             self._torch_ready()
         ckpt = d.ckpt if isinstance(d, Run | Idle) else None
         if ckpt is not None:
-            self.ckptd.ensure(ckpt)  # waits until it listens (30 s stalled, 300 s starting)
+            self.ckptd.ensure(ckpt)  # waits until it listens (30 s stalled, 120 s starting)
             if self._desired[0] != version:
                 # A newer desired state came meanwhile: act on that one, never on this (a
                 # restarted agent's first reply can be the Run its node was lost from; acted

@@ -92,7 +92,7 @@ def spawn(
     raise CheckpointError(f"ckptd for {node} did not start: {why}; see {log}")
 
 
-START_CAP_S = 300.0  # a ckptd still starting (using CPU) is waited for this long at most
+START_CAP_S = 120.0  # a ckptd still starting (using CPU) is waited for this long at most
 
 
 def _wait_listening(
