@@ -396,6 +396,23 @@ class _Conn:
         return dict(json.loads(data))
 
 
+def _died(sims: list[Any], ctl: subprocess.Popen[bytes], log: Path, run: Path) -> str:
+    """Which process ended the measurement and why: each dead simulator's exit code (its
+    traceback is above), the controller's exit status, its log's last lines and the job's
+    last phase (a job failed while the nodes joined), read before the temp dir goes."""
+    lines = [f"simulator {i} exited with {p.exitcode}" for i, p in enumerate(sims)
+             if not p.is_alive()]  # fmt: skip
+    if ctl.poll() is not None:
+        lines.append(f"the controller exited with {ctl.returncode}; its log ends:")
+        with contextlib.suppress(OSError):
+            lines += log.read_text(errors="replace").splitlines()[-15:]
+        with contextlib.suppress(OSError, ValueError):
+            phases = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                      if e.get("kind") in ("phase", "job_failed")]  # fmt: skip
+            lines += [f"the job's last phase event: {phases[-1]}"] if phases else []
+    return "\n".join(lines) or "a simulator or the controller died"
+
+
 def _raise_fd_limit() -> None:
     """One socket per simulated node (and per node in the controller): the soft fd limit up
     to the hard one."""
@@ -541,7 +558,7 @@ def measure(
 
         def running() -> bool:
             if not all(p.is_alive() for p in sims) or ctl.poll() is not None:
-                raise SystemExit("a simulator or the controller died; see the traceback above")
+                raise SystemExit(_died(sims, ctl, tmp / "controller.log", run))
             with open(run / "events.jsonl", "rb") as f:
                 f.seek(read[0])
                 chunk = f.read()
