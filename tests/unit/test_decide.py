@@ -520,6 +520,50 @@ def test_a_faulty_node_is_rechecked_with_backoff_and_retired_after_repeated_loss
     assert sim.s.pools["node0"] == Pool.RETIRED
 
 
+def test_a_node_silent_for_a_moment_while_the_job_joins_is_back_at_once_not_a_failed_job() -> None:
+    """At start, a node that goes silent past the node timeout is quarantined; when it reports
+    again while the job still waits for its nodes it is back in standby at once (no back-off:
+    there is no generation yet), and the job starts on it at the join timeout. Before: it
+    waited out ``recheck_s`` in quarantine and the job failed at the join timeout as if it
+    had failed pre-flight (16,384 simulated nodes: 2,624 of them)."""
+    c = cfg(nodes=3, standby=1, recheck_s=30.0, node_timeout_s=5.0, join_timeout_s=30.0)
+    sim = Sim(c, 3)  # the standby never comes: the job starts on 3 at the join timeout
+    sim.tick()
+    assert sim.s.phase == Phase.PENDING and len(sim.s.pools) == 3
+    for _ in range(7):
+        sim.tick(dt=1.0, seen=("node0", "node1"))
+    assert sim.s.pools["node2"] == Pool.FAULTY and sim.s.phase == Phase.PENDING
+    sim.tick(dt=1.0)  # node2 reports again, 23 s before its re-check would be due
+    assert sim.s.pools["node2"] == Pool.STANDBY, sim.events[-3:]
+    while sim.now < 1000.0 + 31.0:
+        sim.tick(dt=1.0)
+    assert sim.s.phase != Phase.FAILED, sim.s.reason
+    assert sorted(sim.s.assignment) == ["node0", "node1", "node2"]
+    assert sim.s.node_faults["node2"] == 1  # the loss still counts toward retirement
+
+
+def test_a_standby_silent_for_a_moment_while_the_job_runs_waits_out_its_recheck() -> None:
+    """The same silence once a generation runs: the standby waits out ``recheck_s`` in
+    quarantine before it is taken back (a flapping node is kept out of the next one)."""
+    c = cfg(nodes=1, standby=1, recheck_s=30.0, node_timeout_s=5.0)
+    sim = Sim(c, 2)
+    sim.tick()
+    sim.run_generation()
+    standby = next(n for n in sim.obs if n not in sim.s.assignment)
+    busy = next(iter(sim.s.assignment))
+    for _ in range(7):
+        sim.tick(dt=1.0, seen=(busy,))
+    assert sim.s.pools[standby] == Pool.FAULTY
+    sim.tick(dt=1.0)
+    assert sim.s.pools[standby] == Pool.FAULTY  # reporting again, re-check not due
+    for _ in range(20):
+        sim.tick(dt=1.0)
+    assert sim.s.pools[standby] == Pool.FAULTY  # 28 s after its loss
+    for _ in range(10):
+        sim.tick(dt=1.0)
+    assert sim.s.pools[standby] == Pool.STANDBY  # its re-check came (30 s)
+
+
 def test_an_agents_last_report_loses_its_node_at_once_and_never_brings_it_back() -> None:
     """An agent stopped by SIGTERM stops its workers and sends a last report saying it is
     leaving: its node is lost at once (not after the node timeout), named as exited, and

@@ -222,7 +222,9 @@ class ReplicaConfig:
 class PoolConfig:
     """Faulty nodes: a faulty node that is still (or again) reachable is re-checked after
     ``recheck_s``, then after twice as long each time it fails (at most 600 s), and returns
-    to standby when its host checks pass; a node lost ``retire_after`` times is retired."""
+    to standby when its host checks pass; a node lost ``retire_after`` times is retired.
+    While the job waits for its nodes at start, a node quarantined only for silence is
+    re-checked as soon as it reports again (no generation exists yet for it to break)."""
 
     recheck_s: float = setting(30.0, "first re-check of a faulty node after this long")
     retire_after: int = setting(3, "a node lost this many times is retired for good")
