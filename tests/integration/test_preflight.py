@@ -341,6 +341,9 @@ def test_a_check_stalled_by_load_is_inconclusive_retried_and_the_job_runs(tmp_pa
     assert started[0]["assignment"] == {"node0": 0, "node1": 1}, started
     rep = report(run_dir)
     assert "node1" in rep["preflight"][0]["inconclusive"] and not rep["preflight"][0]["failed"]
+    # the stopped check's stack went to its log before it was killed: where it was stuck
+    log = (run_dir / "checks" / "node1.1-node.log").read_text()
+    assert "trainguard: check stopped after" in log and "Thread" in log, log[-2000:]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

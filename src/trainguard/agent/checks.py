@@ -99,10 +99,22 @@ class CheckRunner:
                 self.results.pop(next(iter(self.results)))
 
     def stop(self) -> None:
-        """Kill the running task's process group, if any (deadline 5 s)."""
+        """Kill the running task's process group, if any (deadline 5 s). A check still running
+        (past its deadline, or cut off by the controller's stage deadline) first gets its
+        stack, native frames included, written to its log (``workers.dump_stacks``, at most
+        5 s): what it was stuck in is the next question."""
         r, self._running = self._running, None
         if r is None:
             return
+        if r.proc.poll() is None:
+            from trainguard.agent.workers import dump_stacks
+
+            stack = dump_stacks({0: r.proc.pid}, timeout_s=5.0)[0]
+            with contextlib.suppress(OSError, ValueError):
+                took = time.monotonic() - r.started
+                r.log.write(f"\ntrainguard: check stopped after {took:.0f} s while running; "
+                            f"its stack:\n{stack}\n".encode())  # fmt: skip
+                r.log.flush()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(r.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
