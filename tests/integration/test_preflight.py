@@ -313,9 +313,13 @@ def test_a_check_stalled_by_load_is_inconclusive_retried_and_the_job_runs(tmp_pa
     stopped: list[psutil.Process] = []
 
     def check_of_node1() -> list[psutil.Process]:
+        """This job's node1 check (its task file is under this test's run dir): a match on
+        the names alone SIGSTOPped another test's node1 check beside it (`-n 2`), whose
+        stage then ran out and whose job ended before its re-check."""
+        task = str(run_dir / "checks" / "node1.1-node.task.json")
         return [
             p for p in psutil.process_iter()
-            if "trainguard.health.node" in " ".join(_cmdline(p)) and "node1.1-node" in " ".join(_cmdline(p))
+            if "trainguard.health.node" in _cmdline(p) and task in _cmdline(p)
         ]  # fmt: skip
 
     try:
