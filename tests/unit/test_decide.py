@@ -542,6 +542,26 @@ def test_a_node_silent_for_a_moment_while_the_job_joins_is_back_at_once_not_a_fa
     assert sim.s.node_faults["node2"] == 1  # the loss still counts toward retirement
 
 
+def test_a_node_back_while_the_job_joins_with_failing_host_checks_keeps_its_back_off() -> None:
+    """The same node back with a full disk keeps the back-off: re-checked when ``recheck_s``
+    is up (one ``recheck_failed``), not on every tick, and it stays quarantined."""
+    c = cfg(nodes=3, standby=1, recheck_s=30.0, node_timeout_s=5.0, join_timeout_s=60.0)
+    sim = Sim(c, 3)
+    sim.tick()
+    for _ in range(7):
+        sim.tick(dt=1.0, seen=("node0", "node1"))
+    assert sim.s.pools["node2"] == Pool.FAULTY
+    sim.obs["node2"].health_ok, sim.obs["node2"].health_problems = False, ("disk: full",)
+    for _ in range(100):
+        sim.tick(dt=0.1)
+    assert not [d for k, d in sim.events if k == "recheck_failed"]  # 10 s: not due yet
+    for _ in range(25):
+        sim.tick(dt=1.0)
+    failed = [d for k, d in sim.events if k == "recheck_failed"]
+    assert len(failed) == 1 and failed[0]["problems"] == ["disk: full"], failed
+    assert sim.s.pools["node2"] == Pool.FAULTY and sim.s.phase == Phase.PENDING
+
+
 def test_a_standby_silent_for_a_moment_while_the_job_runs_waits_out_its_recheck() -> None:
     """The same silence once a generation runs: the standby waits out ``recheck_s`` in
     quarantine before it is taken back (a flapping node is kept out of the next one)."""

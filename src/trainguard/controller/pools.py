@@ -54,7 +54,7 @@ def update_pools(
             _admit(s, o, now, cfg, events)
         elif pool == Pool.FAULTY and alive:
             fresh = s.faulty_incarnations.get(node_id) != o.incarnation
-            due = now >= s.recheck_at.get(node_id, now) or _joining(s, node_id)
+            due = now >= s.recheck_at.get(node_id, now) or _joining(s, o)
             if fresh or due:
                 _recheck(s, o, now, cfg, events, fresh)
         elif pool == Pool.STANDBY and not alive and not (o.leaving and s.phase.terminal):
@@ -121,7 +121,7 @@ def needs_recheck(
     if cfg.preflight.level == "off" or s.pools.get(o.node_id) != Pool.FAULTY or not o.health_ok:
         return False
     fresh = s.faulty_incarnations.get(o.node_id) != o.incarnation
-    due = now >= s.recheck_at.get(o.node_id, now) or _joining(s, o.node_id)
+    due = now >= s.recheck_at.get(o.node_id, now) or _joining(s, o)
     at = max(s.checked_at.get(o.node_id, -1.0), -1.0 if checked_at is None else checked_at)
     checked = at > s.faulty_since.get(o.node_id, 0.0)
     return (fresh or due) and not checked
@@ -173,15 +173,17 @@ def _recheck(
     events.append(("recheck_failed", {"node": node, "problems": failed, "next_in_s": delay}))
 
 
-def _joining(s: JobState, node: str) -> bool:
-    """A node quarantined only for silence (no failed pre-flight) while the job is still
-    waiting for its nodes: re-checked as soon as it reports again, without the back-off. No
+def _joining(s: JobState, o: NodeObs) -> bool:
+    """A node quarantined only for silence (no failed pre-flight, its host checks pass) while
+    the job is still waiting for its nodes: re-checked as soon as it reports again, without
+    the back-off (a node whose host checks fail keeps it: one re-check a back-off, not one a
+    tick). No
     generation exists yet for a flapping node to break, and a join of thousands of agents
     loses some for a moment (16,384 simulated nodes on 2 cores: 2,624 went silent for over
     the node timeout while joining, were quarantined for ``recheck_s`` = 30 s, and the job
     failed at its 30 s join timeout while they were reporting again). Losses still count
     toward ``retire_after``."""
-    return s.phase == Phase.PENDING and not s.check_problems.get(node)
+    return s.phase == Phase.PENDING and o.health_ok and not s.check_problems.get(o.node_id)
 
 
 def _recheck_delay(cfg: JobConfig, faults: int) -> float:
